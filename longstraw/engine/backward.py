@@ -1,0 +1,170 @@
+"""`grpo_backward`: the GRPO gradient of one group (prompt + G responses) in one of three modes.
+
+naive    every branch forwards prompt+response with autograd (the reference; G x the prompt work)
+detached capture once, replay branches with autograd; no gradient reaches the prompt
+exact    as detached, plus dLoss/dState summed over branches, back-propagated through the prompt chunk by
+         chunk in reverse; equals naive up to rounding
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..grpo import GRPOConfig, branch_loss, token_weights
+from ..memory import free_bytes
+from ..state import AttentionState, PrefixState
+from .capture import capture, empty_state, run_chunk, store_chunk
+from .checks import as_ids, as_responses, check_per_token, check_positions
+from .replay import replay_logprobs, token_logprobs
+
+MODES = ("naive", "detached", "exact")
+Emitted = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def grpo_backward(
+    model: nn.Module,
+    prompt_ids,
+    responses: Sequence,
+    advantages: Sequence[float] | torch.Tensor,
+    *,
+    mode: str = "exact",
+    old_logprobs: Sequence | None = None,
+    ref_logprobs: Sequence | None = None,
+    config: GRPOConfig | None = None,
+    progress: bool = False,
+) -> dict:
+    """Accumulate d(GRPO loss)/d(params) into `param.grad` (like `loss.backward()`) and return step stats.
+
+    `old_logprobs=None` is on-policy (ratio 1). `ref_logprobs` is needed when `config.kl_coef > 0`.
+    """
+    cfg = config or GRPOConfig()
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
+    mc = model.config
+    prompt = as_ids(prompt_ids, "prompt", mc.vocab_size)
+    resp = as_responses(responses, mc.vocab_size)
+    check_positions(prompt.numel(), resp, mc.max_position_embeddings)
+    adv = torch.as_tensor(advantages, dtype=torch.float64).flatten()
+    if adv.numel() != len(resp):
+        raise ValueError(f"advantages has {adv.numel()} values for {len(resp)} responses (one per response)")
+    old = check_per_token(old_logprobs, resp, "old_logprobs")
+    ref = check_per_token(ref_logprobs, resp, "ref_logprobs")
+    if cfg.kl_coef > 0 and ref is None:
+        raise ValueError("config.kl_coef > 0 needs ref_logprobs (log-probs of the responses under the reference model)")
+    weights = token_weights([r.numel() for r in resp], cfg)
+
+    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+
+    def backward_batch(idx: list[int], logps: list[torch.Tensor]) -> None:
+        loss = 0.0
+        for i, lp in zip(idx, logps):
+            li, st = branch_loss(
+                lp, float(adv[i]), weights[i], cfg, None if old is None else old[i], None if ref is None else ref[i]
+            )
+            loss = loss + li
+            for key, val in st.items():
+                totals[key] += val
+        loss.backward()
+
+    t0 = time.perf_counter()
+    state_bytes = grad_bytes = 0
+    bar = tqdm(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False)
+    if mode == "naive":
+        for i, r in enumerate(resp):
+            ids = torch.cat([prompt, r[:-1]]).to(next(model.parameters()).device)
+            logits = model(ids[None], logits_from=prompt.numel() - 1)
+            backward_batch([i], [token_logprobs(logits[0], r.to(logits.device))])
+            bar.update(1)
+    else:
+        exact = mode == "exact"
+        if exact:
+            state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress)
+            grad_bytes = sum(g.nbytes for g in grad)
+        else:
+            state, grad, kept = capture(model, prompt, cfg.prompt_chunk, progress=progress), None, {}
+        state_bytes = state.nbytes
+        for b in range(0, len(resp), cfg.branch_batch):
+            idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
+            backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad))
+            bar.update(len(idx))
+        if exact:
+            prompt_backward(model, state, grad, kept, progress)
+    bar.close()
+
+    tokens = sum(r.numel() for r in resp)
+    return {
+        "mode": mode,
+        "loss": totals["loss"],
+        "clip_frac": totals["clipped_tokens"] / tokens,
+        "kl": totals["kl_sum"] / tokens,
+        "tokens": tokens,
+        "prompt_tokens": prompt.numel(),
+        "state_bytes": state_bytes,
+        "peak_state_bytes": state_bytes + grad_bytes,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def kept_chunk_count(model: nn.Module, chunks: list[tuple[int, int]], budget: int) -> int:
+    """How many final prompt chunks fit the graph budget (activation size is the model's own estimate)."""
+    per_token = model.activation_bytes_per_token()
+    kept, used = 0, 0
+    for s, e in reversed(chunks):
+        used += (e - s) * per_token
+        if used > budget:
+            break
+        kept += 1
+    return kept
+
+
+def _capture_keeping_graphs(
+    model: nn.Module, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
+) -> tuple[PrefixState, list[AttentionState], dict[int, Emitted]]:
+    """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
+    graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`."""
+    state = empty_state(model, prompt, cfg.prompt_chunk)
+    grad = state.zeros_like()
+    budget = cfg.prompt_graph_budget
+    if budget is None:
+        budget = free_bytes(prompt.device if prompt.is_cuda else next(model.parameters()).device) // 4
+    first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
+    kept: dict[int, Emitted] = {}
+    for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
+        with torch.set_grad_enabled(i >= first_kept):
+            emitted = run_chunk(model, state, s, e, grad if i >= first_kept else None)
+        with torch.no_grad():
+            store_chunk(state, s, emitted)
+        if i >= first_kept:
+            kept[i] = emitted
+    return state, grad, kept
+
+
+def prompt_backward(
+    model: nn.Module,
+    state: PrefixState,
+    grad: list[AttentionState],
+    kept: dict[int, Emitted],
+    progress: bool = False,
+) -> None:
+    """Back-propagate dLoss/dState through the prompt, last chunk first.
+
+    Chunk i's K/V get their final gradient grad[:, s:e] once all later chunks and all branches are done; its
+    backward adds into grad[:, :s] (through the prefix attention) and into the parameters.
+    """
+    chunks = state.chunks
+    for i in tqdm(range(len(chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
+        s, e = chunks[i]
+        emitted = kept.pop(i, None)
+        if emitted is None:
+            with torch.enable_grad():
+                emitted = run_chunk(model, state, s, e, grad)
+        outputs, grads = [], []
+        for layer, (k, v) in emitted.items():
+            outputs += [k, v]
+            grads += [grad[layer].k[None, :, s:e], grad[layer].v[None, :, s:e]]
+        torch.autograd.backward(outputs, grads)

@@ -1,0 +1,64 @@
+"""Input validation shared by capture, score and grpo_backward: clear errors before any compute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..state import PrefixState
+
+
+def as_ids(ids, what: str, vocab: int) -> torch.Tensor:
+    t = torch.as_tensor(ids)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{what} is empty; every prompt and response needs at least one token")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer token ids, got {t.dtype}")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab:
+        bad = hi if hi >= vocab else lo
+        raise ValueError(f"{what} has token id {bad} outside the model vocab [0, {vocab}); check the tokenizer")
+    return t.long()
+
+
+def as_responses(responses: Sequence, vocab: int) -> list[torch.Tensor]:
+    if len(responses) == 0:
+        raise ValueError("responses is empty; a GRPO group needs at least one response")
+    return [as_ids(r, f"response {i}", vocab) for i, r in enumerate(responses)]
+
+
+def check_positions(prompt_len: int, responses: list[torch.Tensor], max_positions: int) -> None:
+    longest = max(r.numel() for r in responses)
+    if prompt_len + longest > max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len}) + longest response ({longest}) = {prompt_len + longest} tokens exceeds the "
+            f"model's max_position_embeddings ({max_positions}); shorten them or use a long-context checkpoint"
+        )
+
+
+def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what: str) -> list[torch.Tensor] | None:
+    if values is None:
+        return None
+    if len(values) != len(responses):
+        raise ValueError(f"{what} has {len(values)} entries for {len(responses)} responses")
+    out = []
+    for i, (v, r) in enumerate(zip(values, responses)):
+        v = torch.as_tensor(v, dtype=torch.float32 if not torch.is_tensor(v) else None).flatten()
+        if v.numel() != r.numel():
+            raise ValueError(f"{what}[{i}] has {v.numel()} values for a response of {r.numel()} tokens")
+        out.append(v)
+    return out
+
+
+def check_state(model: nn.Module, state: PrefixState) -> None:
+    if state.model_fingerprint != model.config.fingerprint:
+        raise ValueError(
+            "this prefix state was captured with a different model architecture "
+            f"({state.model_fingerprint} != {model.config.fingerprint}); capture the prompt again with this model"
+        )

@@ -1,0 +1,54 @@
+"""Replay branches on a prefix state: `[prompt[-1]] + response[:-1]` at positions P-1.., scored on `response`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..state import AttentionState, PrefixState, Segment
+from .checks import as_responses, check_positions, check_state
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[targets], computed in fp32 (or fp64 for fp64 models)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def replay_logprobs(
+    model: nn.Module,
+    state: PrefixState,
+    responses: list[torch.Tensor],
+    grad: list[AttentionState] | None = None,
+) -> list[torch.Tensor]:
+    """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
+
+    The state is read, never written; with `grad`, backward adds dLoss/dState into it.
+    """
+    device = state.prompt_ids.device
+    longest = max(r.numel() for r in responses)
+    inputs = torch.zeros(len(responses), longest, dtype=torch.long, device=device)
+    targets = torch.zeros_like(inputs)
+    for i, r in enumerate(responses):
+        r = r.to(device)
+        inputs[i, 0] = state.prompt_ids[-1]
+        inputs[i, 1 : r.numel()] = r[:-1]
+        targets[i, : r.numel()] = r
+    seg = Segment(start=state.length, prefix=state.layers, prefix_len=state.length, grad=grad)
+    # right padding is safe: causal attention keeps real tokens from seeing the padding after them
+    logp = token_logprobs(model(inputs, seg), targets)
+    return [logp[i, : r.numel()] for i, r in enumerate(responses)]
+
+
+@torch.no_grad()
+def score(model: nn.Module, state: PrefixState, responses: Sequence, branch_batch: int = 1) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each response given the captured prompt (no autograd)."""
+    check_state(model, state)
+    resp = as_responses(responses, model.config.vocab_size)
+    check_positions(state.length + 1, resp, model.config.max_position_embeddings)
+    out: list[torch.Tensor] = []
+    for b in range(0, len(resp), branch_batch):
+        out += replay_logprobs(model, state, resp[b : b + branch_batch])
+    return out

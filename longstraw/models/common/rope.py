@@ -1,0 +1,96 @@
+"""Rotary position embeddings with the HF `rope_parameters` variants that are position-independent."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import RopeConfig
+
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for `dim` rotary dims and the cos/sin scale, following transformers' definitions.
+
+    Always computed on the CPU in fp32 (also while a model is being built on the meta device)."""
+    base = rope.theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    kind = rope.rope_type
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / rope.get("factor"), 1.0
+    if kind == "llama3":
+        factor, lo, hi = rope.get("factor"), rope.get("low_freq_factor"), rope.get("high_freq_factor")
+        old_len = rope.get("original_max_position_embeddings")
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(rope, dim, max_positions)
+    raise ValueError(
+        f"rope_type {kind!r} is not supported (position-dependent scaling cannot be replayed from a stored "
+        f"prefix state); supported: {', '.join(SUPPORTED_ROPE)}"
+    )
+
+
+def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    base = rope.theta
+    orig = rope.get("original_max_position_embeddings")
+    factor = rope.get("factor") or max_positions / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rope.get("attention_factor")
+    if attn is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = corr_dim(fast), corr_dim(slow)
+    if rope.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolate = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attn)
+
+
+class Rotary(nn.Module):
+    """Computes (cos, sin) for a contiguous range of positions; rotate-half convention (Llama/Qwen)."""
+
+    def __init__(self, rope: RopeConfig, dim: int, max_positions: int) -> None:
+        super().__init__()
+        # a plain fp32 attribute, not a buffer: model.to(bf16) or meta-device builds must not touch it
+        self.inv_freq, self.scale = inverse_frequencies(rope, dim, max_positions)
+
+    def forward(
+        self, start: int, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

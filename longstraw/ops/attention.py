@@ -1,0 +1,180 @@
+"""Attention of a segment (a prompt chunk or a batch of branches) over a shared prefix plus its own tokens.
+
+The prefix part (no mask) and the segment's causal part are computed separately, each returning its
+log-sum-exp, and merged exactly. No mask over the prefix is ever materialised, the prefix is never copied per
+branch, and the backward re-uses the merged output and log-sum-exp, so each part's gradient comes from the
+same flash-style kernel (the identity used by ring attention).
+
+Shapes: q [B, H, T, d]; k, v [B, Hkv, T, d]; prefix k, v [Hkv, N, d] shared by all B rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+_BLOCK = 1024
+
+
+def _use_cpu_flash(q: Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One part: softmax attention returning (out, lse). The CPU path calls PyTorch's flash kernel; the torch path
+# is the portable reference (blocked over keys, so memory stays bounded) and is used on other devices.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def part_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, kernel: str = "auto"):
+    if kernel == "flash" or (kernel == "auto" and _use_cpu_flash(q)):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return _torch_forward(q, k, v, causal, scale)
+
+
+def part_backward(do, q, k, v, o, lse, causal: bool, scale: float, kernel: str = "auto"):
+    if kernel == "flash" or (kernel == "auto" and _use_cpu_flash(q)):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse, 0.0, causal, scale=scale
+        )
+    return _torch_backward(do, q, k, v, o, lse, causal, scale)
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half types, fp64 for fp64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _group(q: Tensor, hkv: int) -> tuple[Tensor, Tensor]:
+    """[B, H, T, d] -> [B, Hkv, g*T, d] (queries sharing a kv head side by side) and each row's position."""
+    b, h, t, d = q.shape
+    g = h // hkv
+    return q.reshape(b, hkv, g * t, d), torch.arange(t, device=q.device).repeat(g)
+
+
+def _scores(qg, kb, qpos, start, causal, scale):
+    s = torch.matmul(qg, kb.transpose(-1, -2)).to(_acc(qg)) * scale
+    if causal:
+        kpos = torch.arange(start, start + kb.shape[-2], device=kb.device)
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+    return s
+
+
+def _torch_forward(q, k, v, causal, scale):
+    b, h, t, d = q.shape
+    qg, qpos = _group(q, k.shape[1])
+    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device, dtype=_acc(q))
+    den = torch.zeros_like(m)
+    acc = torch.zeros(*qg.shape[:-1], v.shape[-1], device=q.device, dtype=_acc(q))
+    for s0 in range(0, k.shape[-2], _BLOCK):
+        kb, vb = k[:, :, s0 : s0 + _BLOCK], v[:, :, s0 : s0 + _BLOCK]
+        s = _scores(qg, kb, qpos, s0, causal, scale)
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        corr = torch.exp(m - m_safe)
+        den = den * corr + p.sum(-1)
+        acc = acc * corr[..., None] + torch.matmul(p.to(acc.dtype), vb.to(acc.dtype))
+        m = m_new
+    o = (acc / den[..., None]).to(q.dtype).reshape(b, h, t, -1)
+    lse = (m + den.log()).reshape(b, h, t)
+    return o, lse
+
+
+def _torch_backward(do, q, k, v, o, lse, causal, scale):
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    qg, qpos = _group(q, hkv)
+    acc = _acc(q)
+    dog = do.reshape(b, hkv, -1, do.shape[-1]).to(acc)
+    lg = lse.reshape(b, hkv, -1)
+    delta = (do.to(acc) * o.to(acc)).sum(-1).reshape(b, hkv, -1)
+    dq = torch.zeros_like(qg, dtype=acc)
+    dk = torch.zeros_like(k, dtype=acc)
+    dv = torch.zeros_like(v, dtype=acc)
+    for s0 in range(0, k.shape[-2], _BLOCK):
+        kb, vb = k[:, :, s0 : s0 + _BLOCK], v[:, :, s0 : s0 + _BLOCK]
+        p = torch.exp(_scores(qg, kb, qpos, s0, causal, scale) - lg[..., None])
+        dv[:, :, s0 : s0 + _BLOCK] = torch.matmul(p.transpose(-1, -2), dog)
+        ds = p * (torch.matmul(dog, vb.to(acc).transpose(-1, -2)) - delta[..., None]) * scale
+        dq += torch.matmul(ds, kb.to(acc))
+        dk[:, :, s0 : s0 + _BLOCK] = torch.matmul(ds.transpose(-1, -2), qg.to(acc))
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefix + segment, merged by log-sum-exp.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fold(x: Tensor, hkv: int) -> Tensor:
+    """[B, H, T, ...] -> [1, Hkv, B*g*T, ...]: all rows of all branches query the one shared prefix."""
+    b, h = x.shape[:2]
+    x = x.reshape(b, hkv, h // hkv, *x.shape[2:]).transpose(0, 1)
+    return x.reshape(1, hkv, -1, *x.shape[4:])
+
+
+def _unfold(x: Tensor, b: int, h: int) -> Tensor:
+    hkv = x.shape[1]
+    x = x.reshape(hkv, b, h // hkv, -1, *x.shape[3:]).transpose(0, 1)
+    return x.reshape(b, h, *x.shape[3:])
+
+
+def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
+    lse = torch.logaddexp(l1, l2)
+    acc = _acc(o1)
+    o = o1.to(acc) * torch.exp(l1 - lse)[..., None] + o2.to(acc) * torch.exp(l2 - lse)[..., None]
+    return o.to(o1.dtype), lse
+
+
+class _PrefixSegmentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel):
+        b, h = q.shape[:2]
+        hkv = k.shape[1]
+        o_p, l_p = part_forward(_fold(q, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
+        o_s, l_s = part_forward(q, k, v, True, scale, kernel)
+        o, lse = _merge(_unfold(o_p, b, h), _unfold(l_p, b, h), o_s, l_s)
+        ctx.save_for_backward(q, k, v, o, lse)
+        # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
+        # attribute (autograd's version check would otherwise reject the later appends beyond it).
+        ctx.prefix = (prefix_k, prefix_v)
+        ctx.grads = (grad_k, grad_v)
+        ctx.scale, ctx.kernel = scale, kernel
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        (pk, pv), (gk, gv) = ctx.prefix, ctx.grads
+        b, h = q.shape[:2]
+        hkv = k.shape[1]
+        do = do.contiguous()
+        dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel)
+        f = lambda x: _fold(x, hkv)  # noqa: E731
+        dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel)
+        if gk is not None:
+            gk.add_(dpk[0])
+            gv.add_(dpv[0])
+        return dq + _unfold(dqp, b, h), dk, dv, None, None, None, None, None, None
+
+
+def segment_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    prefix: tuple[Tensor, Tensor] | None = None,
+    prefix_grad: tuple[Tensor, Tensor] | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """Causal attention of a segment over `prefix` (constant to autograd) and its own keys.
+
+    If `prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact mode
+    collects the gradient of the prefix state across branches and prompt chunks.
+    """
+    if prefix is None or prefix[0].shape[1] == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    gk, gv = prefix_grad if prefix_grad is not None else (None, None)
+    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel)

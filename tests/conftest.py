@@ -1,0 +1,45 @@
+"""Shared helpers: tiny random HF-style configs and checkpoints saved with transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw as ls
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
+    """A tiny config dict in transformers' config.json layout."""
+    return {"model_type": model_type, **TINY, **overrides}
+
+
+def tiny_model(model_type: str = "qwen3", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return ls.build_model(tiny_config(model_type, **overrides), dtype=dtype)
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in model.parameters()])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(1234)
+    yield
