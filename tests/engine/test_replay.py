@@ -1,0 +1,67 @@
+"""score() on a captured state equals log-softmax of a full forward at the response positions."""
+
+import pytest
+import torch
+
+import longstraw as ls
+from tests.conftest import tiny_model
+
+
+def full_pass_logprobs(model, prompt, response):
+    ids = torch.cat([prompt, response])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0].float(), -1)
+    return logp[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("prompt_len,chunk", [(2, 4), (23, 5), (40, 7), (33, 64)])
+@pytest.mark.parametrize("branch_batch", [1, 3])
+def test_score_equals_full_pass(model_type, prompt_len, chunk, branch_batch):
+    model = tiny_model(model_type)
+    prompt = torch.randint(0, 97, (prompt_len,))
+    responses = [torch.randint(0, 97, (n,)) for n in (6, 1, 11, 3)]
+    state = ls.capture(model, prompt, chunk_size=chunk)
+    assert state.length == prompt_len - 1
+    assert len(state.chunks) == -(-(prompt_len - 1) // chunk)
+    scores = ls.score(model, state, responses, branch_batch=branch_batch)
+    for r, s in zip(responses, scores):
+        assert s.shape == r.shape
+        torch.testing.assert_close(s, full_pass_logprobs(model, prompt, r), atol=1e-5, rtol=0)
+
+
+def test_single_token_prompt_has_empty_state():
+    model = tiny_model()
+    prompt = torch.tensor([5])
+    state = ls.capture(model, prompt)
+    assert state.length == 0 and state.nbytes == 0
+    r = torch.randint(0, 97, (4,))
+    torch.testing.assert_close(ls.score(model, state, [r])[0], full_pass_logprobs(model, prompt, r), atol=1e-5, rtol=0)
+
+
+def test_replays_leave_state_bitwise_unchanged():
+    model = tiny_model()
+    state = ls.capture(model, torch.randint(0, 97, (30,)), chunk_size=8)
+    before = state.snapshot()
+    responses = [torch.randint(0, 97, (n,)) for n in (5, 9)]
+    ls.score(model, state, responses, branch_batch=2)
+    model.zero_grad()
+    ls.grpo_backward(model, state.prompt_ids, responses, [1.0, -1.0], mode="detached")
+    ls.score(model, state, responses)
+    for a, b in zip(before, state.snapshot()):
+        assert torch.equal(a, b)
+
+
+def test_state_size_is_kv_only():
+    model = tiny_model()
+    state = ls.capture(model, torch.randint(0, 97, (50,)))
+    cfg = model.config
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * cfg.num_hidden_layers
+    assert state.nbytes == 49 * per_token
+    assert all(layer.k.shape == (cfg.num_key_value_heads, 49, cfg.head_dim) for layer in state.layers)
+
+
+def test_state_from_other_model_is_refused():
+    state = ls.capture(tiny_model(num_hidden_layers=2), torch.randint(0, 97, (10,)))
+    with pytest.raises(ValueError, match="different model"):
+        ls.score(tiny_model(), state, [torch.tensor([1, 2])])
