@@ -73,13 +73,12 @@ def grpo_backward(
 
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0
-    bar = tqdm(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False)
+    bar = dict(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False)
     if mode == "naive":
-        for i, r in enumerate(resp):
-            ids = torch.cat([prompt, r[:-1]]).to(next(model.parameters()).device)
-            logits = model(ids[None], logits_from=prompt.numel() - 1)
-            backward_batch([i], [token_logprobs(logits[0], r.to(logits.device))])
-            bar.update(1)
+        device = next(model.parameters()).device
+        for i, r in enumerate(tqdm(resp, **bar)):
+            logits = model(torch.cat([prompt, r[:-1]]).to(device)[None], logits_from=prompt.numel() - 1)
+            backward_batch([i], [token_logprobs(logits[0], r.to(device))])
     else:
         exact = mode == "exact"
         if exact:
@@ -88,13 +87,13 @@ def grpo_backward(
         else:
             state, grad, kept = capture(model, prompt, cfg.prompt_chunk, progress=progress), None, {}
         state_bytes = state.nbytes
-        for b in range(0, len(resp), cfg.branch_batch):
-            idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
-            backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad))
-            bar.update(len(idx))
+        with tqdm(**bar) as pbar:
+            for b in range(0, len(resp), cfg.branch_batch):
+                idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
+                backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad))
+                pbar.update(len(idx))
         if exact:
             prompt_backward(model, state, grad, kept, progress)
-    bar.close()
 
     tokens = sum(r.numel() for r in resp)
     return {

@@ -1,0 +1,47 @@
+"""Command line: `longstraw step --config configs/tiny.yaml`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _step(args: argparse.Namespace) -> int:
+    from .config import StepConfig, load_config
+    from .step import format_table, run_step
+
+    cfg = load_config(args.config, StepConfig)
+    g = cfg.responses
+    print(
+        f"GRPO step: {cfg.model.path or cfg.model.random['model_type'] + ' (random)'}, dtype {cfg.dtype}, "
+        f"prompt {cfg.prompt_tokens} tokens, G={g} responses of {cfg.response_tokens[0]}-{cfg.response_tokens[1]} "
+        f"tokens, modes {', '.join(cfg.modes)}",
+        flush=True,
+    )
+    results = run_step(cfg, progress=not args.no_progress)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("step", help="one GRPO step per mode on a synthetic group: time, memory, gradient agreement")
+    p.add_argument("--config", required=True, help="YAML StepConfig, e.g. configs/tiny.yaml")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_step)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

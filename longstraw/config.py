@@ -1,0 +1,66 @@
+"""Run configs (YAML), validated by pydantic before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .grpo import GRPOConfig
+
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+C = TypeVar("C", bound=BaseModel)
+
+
+class ModelSpec(BaseModel):
+    """Either an HF checkpoint directory (`path`) or a transformers config dict for a random model (`random`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    random: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.path is None) == (self.random is None):
+            raise ValueError("model needs exactly one of `path` (HF checkpoint dir) or `random` (config dict)")
+        if self.random is not None and "model_type" not in self.random:
+            raise ValueError("model.random needs a model_type (e.g. qwen3)")
+        return self
+
+
+class StepConfig(BaseModel):
+    """`longstraw step`: one GRPO step on a synthetic group per mode, to compare the modes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelSpec
+    dtype: DType = "float32"
+    seed: int = 0
+    prompt_tokens: int = Field(8192, ge=2)
+    responses: int = Field(8, ge=1)
+    response_tokens: tuple[int, int] = Field((16, 64), description="min and max response length")
+    modes: list[Literal["naive", "detached", "exact"]] = ["naive", "detached", "exact"]
+    threads: int | None = Field(None, ge=1)
+    grpo: GRPOConfig = GRPOConfig()
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "StepConfig":
+        lo, hi = self.response_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"response_tokens must be [min, max] with 1 <= min <= max, got {[lo, hi]}")
+        return self
+
+
+def load_config(path: str | Path, cls: type[C]) -> C:
+    """Read a YAML file into `cls`; errors name the file and the offending field."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {p} not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"invalid config {p}:\n{e}") from None
