@@ -16,7 +16,7 @@ from .config import DenseConfig
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DenseConfig, idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # registration order as in transformers, so named_parameters() lists the same order
         self.self_attn = Attention(
             idx,
             cfg.hidden_size,
@@ -28,8 +28,9 @@ class DecoderLayer(nn.Module):
             qk_norm=cfg.qk_norm,
             eps=cfg.rms_norm_eps,
         )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, seg)

@@ -25,7 +25,7 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple
         return inv / rope.get("factor"), 1.0
     if kind == "llama3":
         factor, lo, hi = rope.get("factor"), rope.get("low_freq_factor"), rope.get("high_freq_factor")
-        old_len = rope.get("original_max_position_embeddings")
+        old_len = rope.get("original_max_position_embeddings") or max_positions
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
         smooth = (old_len / wavelen - lo) / (hi - lo)
@@ -42,7 +42,7 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple
 
 def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     base = rope.theta
-    orig = rope.get("original_max_position_embeddings")
+    orig = rope.get("original_max_position_embeddings") or max_positions
     factor = rope.get("factor") or max_positions / orig
 
     def mscale(scale: float, m: float = 1.0) -> float:
