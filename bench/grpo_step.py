@@ -101,11 +101,12 @@ def worker(params: dict) -> dict:
     kept_tokens = sum(e - s for s, e in chunks[len(chunks) - kept :]) if kept else 0
 
     gc.collect()
+    load_before = os.getloadavg()[0]
     rss_before = _rss_bytes()
     reset_peak()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     stats = ls.grpo_backward(model, prompt, responses, advantages, mode=lib_mode, config=cfg)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = peak_bytes()
 
     grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
@@ -119,6 +120,8 @@ def worker(params: dict) -> dict:
         "kept_chunks": kept,
         "recomputed_prompt_tokens": (p_len - 1 - kept_tokens) if lib_mode == "exact" else 0,
         "seconds": wall,
+        "cpu_seconds": cpu,
+        "loadavg_1m_before": load_before,  # other load on the machine makes the seconds noise
         "lib_seconds": stats["seconds"],
         "rss_before_bytes": rss_before,
         "peak_rss_bytes": peak,
@@ -175,7 +178,9 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b in (None, 0) else f"{a / b:.2f}"
 
 
-def summarize(runs: list[dict], modes: list[str], ps: list[int], gs: list[int], r: int) -> tuple[str, dict]:
+def summarize(
+    runs: list[dict], modes: list[str], ps: list[int], gs: list[int], r: int, clock: str = "wall"
+) -> tuple[str, dict]:
     ok = {(x["mode"], x["P"], x["G"]): x for x in runs if "error" not in x}
     lines = []
     head = ["P", "G"]
@@ -196,7 +201,8 @@ def summarize(runs: list[dict], modes: list[str], ps: list[int], gs: list[int], 
     for p in ps:
         for g in gs:
             row = [str(p), str(g)]
-            sec = {m: ok[(m, p, g)]["seconds"] if (m, p, g) in ok else None for m in modes}
+            key = "seconds" if clock == "wall" else "cpu_seconds"
+            sec = {m: ok[(m, p, g)][key] if (m, p, g) in ok else None for m in modes}
             for m in modes:
                 res = ok.get((m, p, g))
                 row += [_fmt_s(sec[m]), _fmt_mib(res["peak_delta_bytes"] if res else None)]
@@ -232,7 +238,9 @@ def summarize(runs: list[dict], modes: list[str], ps: list[int], gs: list[int], 
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
-    lines.append("seconds: wall time of one grpo_backward call; MiB: peak RSS above the RSS right before the call.")
+    lines.append(
+        f"s: {clock} seconds of one grpo_backward call (--clock); MiB: peak RSS above the RSS right before the call."
+    )
     lines.append("theory: cost-model ratio (DESIGN.md), using the number of prompt chunks exact actually recomputed.")
 
     # Peak-RSS growth from the smallest to the largest G at each P.
@@ -296,6 +304,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-naive-seconds", type=float, default=None,
         help="skip a naive run whose time, extrapolated linearly in G from the last naive run at the same P, exceeds this",
     )
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="seconds in the table: wall time, or process CPU time (less hurt by other load; best with --threads 1)",
+    )
     ap.add_argument("--timeout", type=float, default=None, help="kill any single run after this many seconds")
     ap.add_argument("--out", default="bench/out/grpo_step.json", help="JSON results path")
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -329,9 +341,9 @@ def main(argv=None) -> int:
         "arch": args.arch,
         "model_config": ARCHS[args.arch](max_pos),
         "P": args.P, "G": args.G, "R": args.R, "modes": args.modes,
-        "threads": threads, "prompt_chunk": chunk, "branch_batch": args.branch_batch, "seed": args.seed,
+        "threads": threads, "clock": args.clock, "prompt_chunk": chunk, "branch_batch": args.branch_batch, "seed": args.seed,
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg_start": os.getloadavg(),
     }
     print(f"grpo_step bench: arch={args.arch} R={args.R} threads={threads} prompt_chunk={chunk} -> {out}", flush=True)
     runs: list[dict] = []
@@ -364,7 +376,7 @@ def main(argv=None) -> int:
                         if mode == "naive":
                             last_naive = (g, res["seconds"])
                         print(
-                            f"[{n}/{total}] {mode:>15} P={p:<6} G={g:<3} {res['seconds']:8.2f} s  "
+                            f"[{n}/{total}] {mode:>15} P={p:<6} G={g:<3} {res['seconds']:8.2f} s (cpu {res['cpu_seconds']:7.2f})  "
                             f"peak +{res['peak_delta_bytes'] / MIB:8.1f} MiB (abs {res['peak_rss_bytes'] / MIB:7.1f})  "
                             f"state {res['state_bytes'] / MIB:6.1f} MiB  kept {res['kept_chunks']}/{res['chunks']} chunks  "
                             f"loss {res['loss']:+.5f}  |grad| {res['grad_norm']:.6g}",
@@ -372,7 +384,7 @@ def main(argv=None) -> int:
                         )
                 runs.append(res)
                 out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    table, summary = summarize(runs, args.modes, args.P, args.G, args.R)
+    table, summary = summarize(runs, args.modes, args.P, args.G, args.R, args.clock)
     print("\n" + table, flush=True)
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     out.write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary}, indent=1))
