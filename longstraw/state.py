@@ -9,35 +9,77 @@ import torch
 Tensor = torch.Tensor
 
 
+def _nbytes(*ts: Tensor) -> int:
+    return sum(t.nelement() * t.element_size() for t in ts)
+
+
 @dataclass
 class AttentionState:
-    """K (after norm and RoPE) and V of the prefix tokens of one attention layer: [kv_heads, N, head_dim]."""
+    """Per-token state of an attention layer: K (after norm and RoPE) and V, [kv_heads, N, head_dim].
+
+    As a segment's output (emitted by a layer) the tensors keep their batch dim: [B, kv_heads, T, head_dim].
+    """
 
     k: Tensor
     v: Tensor
 
     @property
     def nbytes(self) -> int:
-        return self.k.nelement() * self.k.element_size() + self.v.nelement() * self.v.element_size()
+        return _nbytes(self.k, self.v)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.k, self.v)
 
     def zeros_like(self) -> "AttentionState":
         return AttentionState(torch.zeros_like(self.k), torch.zeros_like(self.v))
 
-    def narrow(self, start: int, length: int) -> "AttentionState":
-        return AttentionState(self.k.narrow(1, start, length), self.v.narrow(1, start, length))
+
+@dataclass
+class RecurrentState:
+    """Fixed-size state of a linear-attention (Gated DeltaNet) layer after some tokens.
+
+    conv: the last kernel-1 inputs of the causal depthwise conv, [conv_dim, kernel-1] (model dtype);
+    ssm: the delta-rule state, [v_heads, k_dim, v_dim] in fp32. With a batch dim in front inside a forward.
+    """
+
+    conv: Tensor
+    ssm: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.conv, self.ssm)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.conv, self.ssm)
+
+    def leaf(self) -> "RecurrentState":
+        """The same storage as a fresh autograd leaf (no copy): its .grad collects dLoss/dState."""
+        return RecurrentState(self.conv.detach().requires_grad_(), self.ssm.detach().requires_grad_())
+
+    def grads(self) -> "RecurrentState":
+        """dLoss/d(this leaf), zeros where nothing flowed."""
+        return RecurrentState(
+            self.conv.grad if self.conv.grad is not None else torch.zeros_like(self.conv),
+            self.ssm.grad if self.ssm.grad is not None else torch.zeros_like(self.ssm),
+        )
+
+
+LayerState = AttentionState | RecurrentState
 
 
 @dataclass
 class PrefixState:
     """State of `prompt[:-1]`, per layer, plus what a replay needs: the last prompt token and its position.
 
-    `chunks` are the (start, end) ranges the prompt was captured in; the exact mode recomputes them in reverse.
+    `chunks` are the (start, end) ranges the prompt was captured in. For the exact mode, `boundaries[i]` holds the
+    recurrent layers' states at the start of chunk i (needed to recompute chunk i); it is empty otherwise.
     """
 
-    layers: list[AttentionState]
-    prompt_ids: Tensor  # [P], int64, the whole prompt (last token starts every branch)
+    layers: list[LayerState]
+    prompt_ids: Tensor  # [P], int64, the whole prompt (its last token starts every branch)
     chunks: list[tuple[int, int]]
     model_fingerprint: str
+    boundaries: list[dict[int, RecurrentState]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -52,33 +94,38 @@ class PrefixState:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def zeros_like(self) -> list[AttentionState]:
-        """A gradient buffer with the layout of the state (dLoss/dState)."""
-        return [layer.zeros_like() for layer in self.layers]
+    @property
+    def boundary_nbytes(self) -> int:
+        return sum(s.nbytes for b in self.boundaries for s in b.values())
+
+    def attention_grad_buffer(self) -> dict[int, AttentionState]:
+        """dLoss/dState buffer for the per-token (attention) part of the state."""
+        return {i: s.zeros_like() for i, s in enumerate(self.layers) if isinstance(s, AttentionState)}
 
     def snapshot(self) -> list[Tensor]:
-        return [t.clone() for layer in self.layers for t in (layer.k, layer.v)]
+        return [t.clone() for layer in self.layers for t in layer.tensors()]
 
 
 @dataclass
 class Segment:
     """Context of one forward over a segment of tokens starting at position `start`.
 
-    A segment attends over the first `prefix_len` tokens of `prefix` (if any) plus itself; when `grad` is given,
-    dLoss/dprefix is added into it during backward. With `collect=True` each attention layer hands its new K/V
-    to `emitted` (with autograd history, if grad mode is on).
+    Attention layers attend over the first `prefix_len` tokens of their `prefix` entry plus the segment; with
+    `grad`, dLoss/dprefix is added into it during backward. Recurrent layers start from their `prefix` entry
+    (a RecurrentState, shared by all batch rows) or from zeros. With `collect=True` each layer hands what it
+    adds to the state to `emitted`: new K/V for attention, the final state for recurrent layers.
     """
 
     start: int = 0
-    prefix: list[AttentionState] | None = None
+    prefix: list[LayerState] | None = None
     prefix_len: int = 0
-    grad: list[AttentionState] | None = None
+    grad: dict[int, AttentionState] | None = None
     collect: bool = False
-    emitted: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    emitted: dict[int, LayerState] = field(default_factory=dict)
 
-    def emit(self, layer: int, k: Tensor, v: Tensor) -> None:
+    def emit(self, layer: int, state: LayerState) -> None:
         if self.collect:
-            self.emitted[layer] = (k, v)
+            self.emitted[layer] = state
 
     def prefix_kv(self, layer: int) -> tuple[Tensor, Tensor] | None:
         if self.prefix is None or self.prefix_len == 0:
@@ -91,3 +138,6 @@ class Segment:
             return None
         g = self.grad[layer]
         return g.k[:, : self.prefix_len], g.v[:, : self.prefix_len]
+
+    def initial_state(self, layer: int) -> RecurrentState | None:
+        return None if self.prefix is None else self.prefix[layer]

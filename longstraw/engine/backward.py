@@ -17,13 +17,13 @@ from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig, branch_loss, token_weights
 from ..memory import free_bytes
-from ..state import AttentionState, PrefixState
-from .capture import capture, empty_state, run_chunk, store_chunk
+from ..state import AttentionState, LayerState, PrefixState, RecurrentState
+from .capture import capture, empty_state, recurrent_states, run_chunk, store_chunk
 from .checks import as_ids, as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
 
 MODES = ("naive", "detached", "exact")
-Emitted = dict[int, tuple[torch.Tensor, torch.Tensor]]
+Kept = tuple[dict[int, LayerState], dict[int, RecurrentState]]  # a chunk's outputs and its starting-state leaves
 
 
 def grpo_backward(
@@ -83,17 +83,22 @@ def grpo_backward(
         exact = mode == "exact"
         if exact:
             state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress)
-            grad_bytes = sum(g.nbytes for g in grad)
+            grad_bytes = sum(g.nbytes for g in grad.values()) + state.boundary_nbytes
+            # recurrent states enter the branches as autograd leaves (views): their .grad sums over branches
+            branch_prefix = [s.leaf() if isinstance(s, RecurrentState) else s for s in state.layers]
         else:
-            state, grad, kept = capture(model, prompt, cfg.prompt_chunk, progress=progress), None, {}
+            state = capture(model, prompt, cfg.prompt_chunk, progress=progress)
+            grad, kept, branch_prefix = None, {}, None
         state_bytes = state.nbytes
         with tqdm(**bar) as pbar:
             for b in range(0, len(resp), cfg.branch_batch):
                 idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
-                backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad))
+                backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad, branch_prefix))
                 pbar.update(len(idx))
         if exact:
-            prompt_backward(model, state, grad, kept, progress)
+            d_final = {i: s.grads() for i, s in enumerate(branch_prefix) if isinstance(s, RecurrentState)}
+            grad_bytes += sum(d.nbytes for d in d_final.values())
+            prompt_backward(model, state, grad, d_final, kept, progress)
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -123,47 +128,69 @@ def kept_chunk_count(model: nn.Module, chunks: list[tuple[int, int]], budget: in
 
 def _capture_keeping_graphs(
     model: nn.Module, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
-) -> tuple[PrefixState, list[AttentionState], dict[int, Emitted]]:
+) -> tuple[PrefixState, dict[int, AttentionState], dict[int, Kept]]:
     """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
-    graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`."""
+    graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`.
+    Recurrent states at every chunk start are kept in state.boundaries."""
     state = empty_state(model, prompt, cfg.prompt_chunk)
-    grad = state.zeros_like()
+    grad = state.attention_grad_buffer()
     budget = cfg.prompt_graph_budget
     if budget is None:
-        budget = free_bytes(prompt.device if prompt.is_cuda else next(model.parameters()).device) // 4
+        budget = free_bytes(next(model.parameters()).device) // 4
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
-    kept: dict[int, Emitted] = {}
+    kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
-        with torch.set_grad_enabled(i >= first_kept):
-            emitted = run_chunk(model, state, s, e, grad if i >= first_kept else None)
+        state.boundaries.append(recurrent_states(state))
+        if i >= first_kept:
+            with torch.enable_grad():
+                emitted, leaves = _chunk_with_graph(model, state, i, grad)
+            kept[i] = (emitted, leaves)
+        else:
+            with torch.no_grad():
+                emitted = run_chunk(model, state, s, e)
         with torch.no_grad():
             store_chunk(state, s, emitted)
-        if i >= first_kept:
-            kept[i] = emitted
     return state, grad, kept
+
+
+def _chunk_with_graph(
+    model: nn.Module, state: PrefixState, i: int, grad: dict[int, AttentionState]
+) -> tuple[dict[int, LayerState], dict[int, RecurrentState]]:
+    """Chunk i with autograd, its recurrent starting states as fresh leaves (so each chunk's graph stands alone)."""
+    s, e = state.chunks[i]
+    leaves = {j: b.leaf() for j, b in state.boundaries[i].items()}
+    prefix = [leaves.get(j, layer) for j, layer in enumerate(state.layers)]
+    return run_chunk(model, state, s, e, prefix, grad), leaves
 
 
 def prompt_backward(
     model: nn.Module,
     state: PrefixState,
-    grad: list[AttentionState],
-    kept: dict[int, Emitted],
+    grad: dict[int, AttentionState],
+    d_final: dict[int, RecurrentState],
+    kept: dict[int, Kept],
     progress: bool = False,
 ) -> None:
     """Back-propagate dLoss/dState through the prompt, last chunk first.
 
-    Chunk i's K/V get their final gradient grad[:, s:e] once all later chunks and all branches are done; its
-    backward adds into grad[:, :s] (through the prefix attention) and into the parameters.
+    Chunk i's K/V get their final gradient grad[:, s:e] once all later chunks and all branches are done, and its
+    final recurrent states get `d_final` (from the branches, or from chunk i+1's starting-state leaves). Its
+    backward adds into grad[:, :s] (through the prefix attention), into its own starting-state leaves (which
+    become `d_final` for chunk i-1) and into the parameters.
     """
-    chunks = state.chunks
-    for i in tqdm(range(len(chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
-        s, e = chunks[i]
-        emitted = kept.pop(i, None)
-        if emitted is None:
+    for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
+        s, e = state.chunks[i]
+        if i in kept:
+            emitted, leaves = kept.pop(i)
+        else:
             with torch.enable_grad():
-                emitted = run_chunk(model, state, s, e, grad)
+                emitted, leaves = _chunk_with_graph(model, state, i, grad)
         outputs, grads = [], []
-        for layer, (k, v) in emitted.items():
-            outputs += [k, v]
-            grads += [grad[layer].k[None, :, s:e], grad[layer].v[None, :, s:e]]
+        for j, new in emitted.items():
+            outputs += new.tensors()
+            if isinstance(new, AttentionState):
+                grads += [grad[j].k[None, :, s:e], grad[j].v[None, :, s:e]]
+            else:
+                grads += [d_final[j].conv[None], d_final[j].ssm[None]]
         torch.autograd.backward(outputs, grads)
+        d_final = {j: leaf.grads() for j, leaf in leaves.items()}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..state import AttentionState, PrefixState, Segment
+from ..state import AttentionState, LayerState, PrefixState, RecurrentState, Segment
 from .checks import as_ids
 
 DEFAULT_CHUNK = 2048
@@ -19,14 +19,20 @@ def chunk_ranges(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def run_chunk(
-    model: nn.Module, state: PrefixState, start: int, end: int, grad: list[AttentionState] | None = None
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Forward prompt[start:end] over the state of prompt[:start]; returns each layer's new K/V [1, Hkv, C, d].
+    model: nn.Module,
+    state: PrefixState,
+    start: int,
+    end: int,
+    prefix: list[LayerState] | None = None,
+    grad: dict[int, AttentionState] | None = None,
+) -> dict[int, LayerState]:
+    """Forward prompt[start:end] on the state of prompt[:start]; returns what each layer adds to the state.
 
-    Under autograd, `grad` receives dLoss/d(state[:start]) during the backward of the returned K/V.
+    `prefix` overrides the layers' starting states (exact mode passes recurrent boundary states as autograd
+    leaves); attention layers read state.layers K/V[:start]. Under autograd, `grad` receives dLoss/dK,V[:start].
     """
     ids = state.prompt_ids[start:end][None]
-    seg = Segment(start=start, prefix=state.layers, prefix_len=start, grad=grad, collect=True)
+    seg = Segment(start=start, prefix=prefix or state.layers, prefix_len=start, grad=grad, collect=True)
     model(ids, seg, logits_from=None)
     return seg.emitted
 
@@ -34,32 +40,45 @@ def run_chunk(
 def empty_state(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int) -> PrefixState:
     p = next(model.parameters())
     n = prompt_ids.numel() - 1
-    layers = [
-        AttentionState(
-            torch.empty(h, n, d, dtype=p.dtype, device=p.device), torch.empty(h, n, d, dtype=p.dtype, device=p.device)
-        )
-        for h, d in model.state_layers()
-    ]
+    layers = model.empty_state(n, p.dtype, p.device)
     return PrefixState(layers, prompt_ids.to(p.device), chunk_ranges(n, chunk_size), model.config.fingerprint)
 
 
-def store_chunk(state: PrefixState, start: int, emitted: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for i, (k, v) in emitted.items():
-        n = k.shape[2]
-        state.layers[i].k[:, start : start + n] = k[0]
-        state.layers[i].v[:, start : start + n] = v[0]
+def store_chunk(state: PrefixState, start: int, emitted: dict[int, LayerState]) -> None:
+    """Append a chunk's K/V to the attention buffers; recurrent layers move on to the chunk's final state."""
+    for i, new in emitted.items():
+        if isinstance(new, AttentionState):
+            n = new.k.shape[2]
+            state.layers[i].k[:, start : start + n] = new.k[0]
+            state.layers[i].v[:, start : start + n] = new.v[0]
+        else:
+            state.layers[i] = RecurrentState(new.conv[0].detach(), new.ssm[0].detach())
+
+
+def recurrent_states(state: PrefixState) -> dict[int, RecurrentState]:
+    return {i: s for i, s in enumerate(state.layers) if isinstance(s, RecurrentState)}
 
 
 @torch.no_grad()
 def capture(
-    model: nn.Module, prompt_ids, chunk_size: int = DEFAULT_CHUNK, *, progress: bool = False
+    model: nn.Module,
+    prompt_ids,
+    chunk_size: int = DEFAULT_CHUNK,
+    *,
+    keep_boundaries: bool = False,
+    progress: bool = False,
 ) -> PrefixState:
-    """State of `prompt[:-1]` (K/V per attention layer), computed chunk by chunk without autograd."""
+    """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd.
+
+    `keep_boundaries` also keeps the recurrent layers' states at every chunk start (the exact mode needs them).
+    """
     cfg = model.config
     prompt = as_ids(prompt_ids, "prompt", cfg.vocab_size)
     if prompt.numel() > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
     state = empty_state(model, prompt, chunk_size)
     for s, e in tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False):
+        if keep_boundaries:
+            state.boundaries.append(recurrent_states(state))
         store_chunk(state, s, run_chunk(model, state, s, e))
     return state

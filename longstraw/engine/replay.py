@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..state import AttentionState, PrefixState, Segment
+from ..state import AttentionState, LayerState, PrefixState, Segment
 from .checks import as_responses, check_positions, check_state
 
 
@@ -21,11 +21,13 @@ def replay_logprobs(
     model: nn.Module,
     state: PrefixState,
     responses: list[torch.Tensor],
-    grad: list[AttentionState] | None = None,
+    grad: dict[int, AttentionState] | None = None,
+    prefix: list[LayerState] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
-    The state is read, never written; with `grad`, backward adds dLoss/dState into it.
+    The state is read, never written; with `grad`, backward adds dLoss/dK,V into it. `prefix` overrides the
+    layers' starting states (exact mode passes recurrent states as autograd leaves, views of the state).
     """
     device = state.prompt_ids.device
     longest = max(r.numel() for r in responses)
@@ -36,8 +38,8 @@ def replay_logprobs(
         inputs[i, 0] = state.prompt_ids[-1]
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
-    seg = Segment(start=state.length, prefix=state.layers, prefix_len=state.length, grad=grad)
-    # right padding is safe: causal attention keeps real tokens from seeing the padding after them
+    seg = Segment(start=state.length, prefix=prefix or state.layers, prefix_len=state.length, grad=grad)
+    # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
     return [logp[i, : r.numel()] for i, r in enumerate(responses)]
 

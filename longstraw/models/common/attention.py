@@ -1,4 +1,4 @@
-"""Grouped-query self-attention (Llama/Qwen2/Qwen3) that runs on a segment, optionally over a prefix state."""
+"""Grouped-query self-attention (Llama/Qwen2/Qwen3, and Qwen3.5's gated variant) over a prefix state."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import torch
 from torch import nn
 
 from ...ops.attention import segment_attention
-from ...state import Segment
-from .norm import RMSNorm
+from ...state import AttentionState, Segment
 from .rope import apply_rotary
 
 
 class Attention(nn.Module):
+    """q/k/v/o projections with HF names. `qk_norm`: a norm class applied per head to q and k (Qwen3);
+    `gated`: q_proj packs [q | gate] per head and the output is multiplied by sigmoid(gate) (Qwen3.5)."""
+
     def __init__(
         self,
         layer_idx: int,
@@ -21,44 +23,51 @@ class Attention(nn.Module):
         head_dim: int,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: type[nn.Module] | None = None,
         eps: float = 1e-6,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         self.layer_idx, self.heads, self.kv_heads, self.head_dim = layer_idx, heads, kv_heads, head_dim
+        self.gated = gated
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.q_proj = nn.Linear(hidden, heads * head_dim * (2 if gated else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps)
-            self.k_norm = RMSNorm(head_dim, eps)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(head_dim, eps)
+            self.k_norm = qk_norm(head_dim, eps)
 
-    def _project(self, x: torch.Tensor, rope, with_q: bool = True):
+    def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device) -> AttentionState:
+        shape = (self.kv_heads, tokens, self.head_dim)
+        return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    def _kv(self, x: torch.Tensor, rope) -> AttentionState:
         b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "k_norm"):
             k = self.k_norm(k)
-        k = apply_rotary(k.transpose(1, 2), *rope)
-        if not with_q:
-            return None, k, v
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        return apply_rotary(q.transpose(1, 2), *rope), k, v
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return AttentionState(apply_rotary(k.transpose(1, 2), *rope), v)
 
-    def emit_kv(self, x: torch.Tensor, rope, seg: Segment) -> None:
-        """Only compute and hand over this segment's K/V (the capture of the last layer needs nothing else)."""
-        _, k, v = self._project(x, rope, with_q=False)
-        seg.emit(self.layer_idx, k, v)
+    def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> None:
+        seg.emit(self.layer_idx, self._kv(x, rope))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seg: Segment) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self._project(x, rope)
-        seg.emit(self.layer_idx, k, v)
+        q = self.q_proj(x).view(b, t, self.heads, -1)
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        q = apply_rotary(q.transpose(1, 2), *rope)
+        kv = self._kv(x, rope)
+        seg.emit(self.layer_idx, kv)
         out = segment_attention(
-            q, k, v, self.scale, prefix=seg.prefix_kv(self.layer_idx), prefix_grad=seg.prefix_grad(self.layer_idx)
+            q, kv.k, kv.v, self.scale, prefix=seg.prefix_kv(self.layer_idx), prefix_grad=seg.prefix_grad(self.layer_idx)
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.o_proj(out)

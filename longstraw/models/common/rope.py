@@ -90,7 +90,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [T, head_dim]."""
-    half = x.shape[-1] // 2
+    """x: [B, heads, T, head_dim]; cos/sin: [T, rotary_dim]. Partial rotary (rotary_dim < head_dim) rotates the
+    first rotary_dim features and passes the rest through (Qwen3.5)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
