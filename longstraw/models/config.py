@@ -8,6 +8,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
+QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def fingerprint(cfg) -> str:
+    """Hash of an architecture config; a prefix state records it so it is never replayed on another model."""
+    d = asdict(cfg)
+    d.pop("raw", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LayerStateSpec:
+    """What one layer keeps of a prompt: elements per token (in the model dtype) and fixed elements."""
+
+    kind: str
+    per_token: int = 0
+    fixed: int = 0  # in the model dtype
+    fixed_fp32: int = 0  # kept in fp32 whatever the model dtype (delta-rule state)
 
 
 @dataclass(frozen=True)
@@ -43,10 +61,11 @@ class DenseConfig:
 
     @property
     def fingerprint(self) -> str:
-        """Hash of the architecture; a prefix state records it so it is never replayed on another model."""
-        d = asdict(self)
-        d.pop("raw")
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return fingerprint(self)
+
+    def state_spec(self) -> list[LayerStateSpec]:
+        kv = LayerStateSpec("attention K/V", per_token=2 * self.num_key_value_heads * self.head_dim)
+        return [kv] * self.num_hidden_layers
 
 
 def _rope_from_hf(cfg: dict) -> RopeConfig:
@@ -88,5 +107,88 @@ def dense_config_from_hf(cfg: dict) -> DenseConfig:
         o_proj_bias=False if mt == "qwen2" else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if mt == "llama" else False,
         qk_norm=mt == "qwen3",
+        raw=cfg,
+    )
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    """Qwen3.5 text model (`qwen3_5_text`, or the text part of a `qwen3_5` multimodal config)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "qwen3_5_text"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
+
+    def state_spec(self) -> list[LayerStateSpec]:
+        kv = LayerStateSpec("attention K/V", per_token=2 * self.num_key_value_heads * self.head_dim)
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        conv_dim += self.linear_num_value_heads * self.linear_value_head_dim
+        ssm = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        lin = LayerStateSpec(
+            "Gated DeltaNet conv+recurrent", fixed=conv_dim * (self.linear_conv_kernel_dim - 1), fixed_fp32=ssm
+        )
+        return [kv if t == "full_attention" else lin for t in self.layer_types]
+
+
+def qwen3_5_config_from_hf(cfg: dict) -> Qwen35Config:
+    text = dict(cfg.get("text_config") or cfg) if cfg["model_type"] == "qwen3_5" else dict(cfg)
+    tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    n = text["num_hidden_layers"]
+    interval = text.get("full_attention_interval", 4)
+    layer_types = tuple(
+        text.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    )
+    unknown = set(layer_types) - {"linear_attention", "full_attention"}
+    if unknown or len(layer_types) != n:
+        raise ValueError(f"qwen3_5 layer_types must list {n} of linear_attention/full_attention, got {sorted(unknown)}")
+    if text.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"qwen3_5 hidden_act {text['hidden_act']!r} is not supported (silu only)")
+    if text.get("linear_conv_kernel_dim", 4) < 2:
+        raise ValueError("linear_conv_kernel_dim must be >= 2")
+    heads = text["num_attention_heads"]
+    return Qwen35Config(
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        max_position_embeddings=text.get("max_position_embeddings", 32768),
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope=_rope_from_hf(text),
+        layer_types=layer_types,
+        linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=text.get("linear_key_head_dim", 128),
+        linear_value_head_dim=text.get("linear_value_head_dim", 128),
+        linear_num_key_heads=text.get("linear_num_key_heads", 16),
+        linear_num_value_heads=text.get("linear_num_value_heads", 32),
+        tie_word_embeddings=tie,
+        attention_bias=bool(text.get("attention_bias", False)),
         raw=cfg,
     )

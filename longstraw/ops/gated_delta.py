@@ -1,0 +1,119 @@
+"""Gated delta rule (Gated DeltaNet, Qwen3.5 linear layers) with an initial and a final state.
+
+Per value head, with S a [dk, dv] state, decay a_t = exp(g_t) and write strength beta_t:
+    S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T,      o_t = S_t^T q_t
+(q, k L2-normalised, q scaled by dk^-0.5; each key head serves Hv/Hk consecutive value heads.)
+
+`chunk_gated_delta_rule` is the pure-torch chunked form (CPU, tests; differentiable w.r.t. all inputs and the
+initial state through autograd). Within a chunk of C tokens starting from S0, with cumulative log-decay G_i:
+    delta = (I + A)^-1 (beta v - beta e^G K S0),   A_ij = beta_i e^(G_i - G_j) k_i.k_j  (j < i)
+    O     = (e^G Q) S0 + [e^(G_i - G_j) q_i.k_j]_(j <= i) delta
+    S_C   = e^(G_C) S0 + (e^(G_C - G) K)^T delta
+On CUDA with flash-linear-attention installed, `gated_delta_rule` uses its kernels instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def _prepare(q, k, v, g, beta, l2norm: bool):
+    """To [B, Hv, T, d] in the accumulation dtype, q/k normalised and grouped to the value heads."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    if l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return [x.transpose(1, 2) for x in (q, k, v, g, beta)]
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    chunk_size: int = 64,
+    l2norm: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; initial_state [B, Hv, dk, dv] or None (zeros).
+
+    Returns (o [B, T, Hv, dv] in q's dtype, final state [B, Hv, dk, dv] in fp32, or fp64 for fp64 inputs).
+    """
+    out_dtype = q.dtype
+    b, t = q.shape[:2]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
+    h, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
+    pad = (-t) % chunk_size
+    if pad:  # padded steps have g = 0 (no decay) and beta = 0 (no write): the state passes through unchanged
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (t + pad) // chunk_size
+    q, k, v = (x.reshape(b, h, n, chunk_size, -1) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk_size), beta.reshape(b, h, n, chunk_size)
+
+    cum = g.cumsum(-1)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")))
+    a = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    # unitriangular: the solver takes the diagonal of (I + A) as ones and reads only the strict lower part
+    u = torch.linalg.solve_triangular(a, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(a, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * torch.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for i in range(n):
+        delta = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ delta)
+        state = chunk_decay[:, :, i] * state + k_to_end[:, :, i].transpose(-1, -2) @ delta
+    o = torch.cat(outs, dim=2)[:, :, :t]
+    return o.transpose(1, 2).to(out_dtype), state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """Step-by-step reference of the same rule (tests; single-token decode). Same arguments and results."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
+    b, h, t = v.shape[:3]
+    state = q.new_zeros(b, h, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for i in range(t):
+        state = state * g[:, :, i].exp()[..., None, None]
+        ki = k[:, :, i]
+        delta = beta[:, :, i, None] * (v[:, :, i] - (state * ki[..., None]).sum(-2))
+        state = state + ki[..., None] * delta[..., None, :]
+        outs.append((state * q[:, :, i, :, None]).sum(-2))
+    return torch.stack(outs, dim=2).transpose(1, 2).to(out_dtype), state
+
+
+def _fla_kernel():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        return None
+    return fla_chunk
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tensor]:
+    """Dispatch: flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else torch."""
+    if q.is_cuda and (fla := _fla_kernel()) is not None:
+        rep = v.shape[2] // k.shape[2]
+        if rep > 1:  # each key head serves `rep` consecutive value heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        init = None if initial_state is None else initial_state.float()
+        o, final = fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+        return o, final
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
