@@ -21,9 +21,23 @@ TINY = dict(
 )
 
 
+# Qwen3.5 hybrid: 8 layers = 2 x (3 Gated DeltaNet + 1 gated full attention), grouped linear heads
+TINY_QWEN3_5 = dict(
+    TINY,
+    num_hidden_layers=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
 def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     """A tiny config dict in transformers' config.json layout."""
-    return {"model_type": model_type, **TINY, **overrides}
+    base = TINY_QWEN3_5 if model_type.startswith("qwen3_5") else TINY
+    return {"model_type": model_type, **base, **overrides}
 
 
 def tiny_model(model_type: str = "qwen3", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

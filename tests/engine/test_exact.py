@@ -30,7 +30,10 @@ def grad_of(model, mode, prompt, responses, adv=ADV, **kw):
     return flat_grad(model), stats
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2"])
+ARCHS = ["qwen3", "llama", "qwen2", "qwen3_5_text"]
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_exact_equals_naive_fp32(model_type, chunk):
     model = tiny_model(model_type)
@@ -42,19 +45,21 @@ def test_exact_equals_naive_fp32(model_type, chunk):
     assert s_exact["tokens"] == sum(G_LENGTHS)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_exact_equals_naive_fp64(chunk):
-    model = tiny_model(dtype=torch.float64)
+def test_exact_equals_naive_fp64(model_type, chunk):
+    model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group()
     g_naive, _ = grad_of(model, "naive", prompt, responses)
     g_exact, _ = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=chunk))
     assert rel_err(g_exact, g_naive) <= 1e-10
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
 @pytest.mark.parametrize("budget", ["zero", "partial", "whole"])
 @pytest.mark.parametrize("branch_batch", [1, 3])
-def test_graph_budget_and_branch_batch_keep_gradient(budget, branch_batch):
-    model = tiny_model(dtype=torch.float64)
+def test_graph_budget_and_branch_batch_keep_gradient(model_type, budget, branch_batch):
+    model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group(prompt_len=50)
     per_chunk = 7 * model.activation_bytes_per_token()
     bytes_ = {"zero": 0, "partial": 3 * per_chunk, "whole": 10**12}[budget]
@@ -76,8 +81,9 @@ def test_kept_chunk_count_follows_budget():
     assert kept_chunk_count(model, chunks, 10**12) == 4
 
 
-def test_detached_differs_from_naive_and_drops_only_the_prompt_path():
-    model = tiny_model(dtype=torch.float64)
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_detached_differs_from_naive_and_drops_only_the_prompt_path(model_type):
+    model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group()
     g_naive, _ = grad_of(model, "naive", prompt, responses)
     g_det, _ = grad_of(model, "detached", prompt, responses, config=ls.GRPOConfig(prompt_chunk=7))
@@ -89,8 +95,9 @@ def test_detached_differs_from_naive_and_drops_only_the_prompt_path():
     assert rel_err(g_det, ref) <= 1e-5
 
 
-def test_off_policy_with_clipping_exact_equals_naive():
-    model = tiny_model(dtype=torch.float64)
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_off_policy_with_clipping_exact_equals_naive(model_type):
+    model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group()
     state = ls.capture(model, prompt)
     cur = ls.score(model, state, responses)
@@ -152,15 +159,21 @@ def test_naive_matches_transformers_loss(loss_agg):
     assert w == pytest.approx(token_weights(lengths, cfg))
 
 
-def test_bf16_step_matches_naive_loosely():
-    model = tiny_model(dtype=torch.bfloat16)
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_bf16_step_matches_naive_loosely(model_type):
+    model = tiny_model(model_type, dtype=torch.bfloat16)
     prompt, responses = group(prompt_len=64)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
     g_exact, stats = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=16))
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     assert torch.isfinite(g_exact).all()
     assert rel_err(g_exact.float(), g_naive.float()) <= 3e-2
-    assert stats["state_bytes"] == 63 * 2 * 2 * 16 * 2 * 3  # tokens x (K,V) x kv_heads x head_dim x bf16 x layers
+    kv = 63 * 2 * 2 * 16 * 2  # tokens x (K,V) x kv_heads x head_dim x bf16
+    if model_type == "qwen3":
+        assert stats["state_bytes"] == kv * 3
+    else:  # 2 attention layers + 6 linear layers of conv tail (bf16) and delta-rule state (fp32)
+        conv_dim = 2 * 2 * 8 + 4 * 8
+        assert stats["state_bytes"] == kv * 2 + 6 * (conv_dim * 3 * 2 + 4 * 8 * 8 * 4)
 
 
 def test_group_advantages():
@@ -190,8 +203,18 @@ def hf_flat_grad(hf, model):
     return torch.cat([named[n].grad.flatten() for n, _ in model.named_parameters()])
 
 
+def _out_of_place_recurrent_update(self, recurrent_states, state_idx=0, **kwargs):
+    """transformers copies the new delta-rule state into the cached tensor in place (for CUDA graphs), which
+    autograd rejects when that tensor was read by the same forward; assigning keeps the math and allows grad."""
+    if not self.is_recurrent_states_initialized[state_idx]:
+        self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+    self.recurrent_states[state_idx] = recurrent_states
+    return recurrent_states
+
+
 def hf_detached_grad(hf, model, prompt, responses, adv):
     from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionLayer
 
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
@@ -201,7 +224,9 @@ def hf_detached_grad(hf, model, prompt, responses, adv):
     for r, a, wi in zip(responses, adv, w):
         branch = torch.cat([prompt[-1:], r[:-1]])[None]
         pos = torch.arange(prompt.numel() - 1, prompt.numel() - 1 + r.numel())[None]
-        logits = hf(branch, cache=copy.deepcopy(cache), use_cache=True, position_ids=pos).logits[0]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(LinearAttentionLayer, "update_recurrent_state", _out_of_place_recurrent_update)
+            logits = hf(branch, cache=copy.deepcopy(cache), use_cache=True, position_ids=pos).logits[0]
         lp = torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0]
         ratio = torch.exp(lp - lp.detach())
         (-(ratio * a).sum() * wi).backward()

@@ -14,8 +14,8 @@ def full_pass_logprobs(model, prompt, response):
     return logp[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("prompt_len,chunk", [(2, 4), (23, 5), (40, 7), (33, 64)])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("prompt_len,chunk", [(2, 4), (23, 5), (40, 7), (33, 64), (150, 37)])
 @pytest.mark.parametrize("branch_batch", [1, 3])
 def test_score_equals_full_pass(model_type, prompt_len, chunk, branch_batch):
     model = tiny_model(model_type)
@@ -39,8 +39,9 @@ def test_single_token_prompt_has_empty_state():
     torch.testing.assert_close(ls.score(model, state, [r])[0], full_pass_logprobs(model, prompt, r), atol=1e-5, rtol=0)
 
 
-def test_replays_leave_state_bitwise_unchanged():
-    model = tiny_model()
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_replays_leave_state_bitwise_unchanged(model_type):
+    model = tiny_model(model_type)
     state = ls.capture(model, torch.randint(0, 97, (30,)), chunk_size=8)
     before = state.snapshot()
     responses = [torch.randint(0, 97, (n,)) for n in (5, 9)]
@@ -48,6 +49,7 @@ def test_replays_leave_state_bitwise_unchanged():
     model.zero_grad()
     ls.grpo_backward(model, state.prompt_ids, responses, [1.0, -1.0], mode="detached")
     ls.score(model, state, responses)
+    assert all(not t.requires_grad for layer in state.layers for t in layer.tensors())
     for a, b in zip(before, state.snapshot()):
         assert torch.equal(a, b)
 
