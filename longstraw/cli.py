@@ -1,4 +1,4 @@
-"""Command line: `longstraw step --config configs/tiny.yaml`."""
+"""Command line: `longstraw step --config configs/tiny.yaml`, `longstraw state-size --config ... --tokens N`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ def _step(args: argparse.Namespace) -> int:
     return 0
 
 
+def _state_size(args: argparse.Namespace) -> int:
+    from .models.checkpoint import read_config
+    from .state_size import format_state_size, state_size
+
+    report = state_size(read_config(args.config), args.tokens, args.dtype, args.chunk)
+    print(format_state_size(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_step)
+    p = sub.add_parser("state-size", help="prefix-state bytes per token and fixed bytes, from config.json alone")
+    p.add_argument("--config", required=True, help="config.json (or its directory) of any supported model_type")
+    p.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
+    p.add_argument("--dtype", default="bf16", help="state dtype: bf16 (default), fp16, fp32")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt chunk size (exact-mode boundary states)")
+    p.add_argument("--json", help="also write the report to this JSON file")
+    p.set_defaults(func=_state_size)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,66 @@
+"""Prefix-state size of a model from its config alone: bytes per prompt token and fixed bytes, per layer kind."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .models import config_from_hf
+
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2048) -> dict:
+    """Sizes for a prompt of `tokens` tokens (the state covers tokens-1 of them; we count `tokens` for round
+    figures). Exact mode needs the same again for dState, plus the fixed state at every prompt-chunk boundary."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_BYTES)}")
+    if tokens < 1 or chunk < 1:
+        raise ValueError("tokens and chunk must be >= 1")
+    cfg = config_from_hf(hf_config)
+    nbytes = DTYPE_BYTES[dtype]
+    kinds: OrderedDict[str, dict] = OrderedDict()
+    for spec in cfg.state_spec():
+        k = kinds.setdefault(spec.kind, {"layers": 0, "bytes_per_token": 0, "fixed_bytes": 0})
+        k["layers"] += 1
+        k["bytes_per_token"] += spec.per_token * nbytes
+        k["fixed_bytes"] += spec.fixed * nbytes + spec.fixed_fp32 * 4
+    per_token = sum(k["bytes_per_token"] for k in kinds.values())
+    fixed = sum(k["fixed_bytes"] for k in kinds.values())
+    chunks = -(-tokens // chunk)
+    total = per_token * tokens + fixed
+    return {
+        "model_type": cfg.model_type,
+        "layers": cfg.num_hidden_layers,
+        "dtype": dtype,
+        "tokens": tokens,
+        "kinds": dict(kinds),
+        "bytes_per_token": per_token,
+        "fixed_bytes": fixed,
+        "total_bytes": total,
+        "exact_grad_bytes": total,
+        "exact_boundary_bytes": fixed * chunks,
+        "prompt_chunks": chunks,
+        "prompt_chunk": chunk,
+    }
+
+
+def _gb(n: int) -> str:
+    return f"{n:,} B ({n / 1e9:,.2f} GB, {n / 2**30:,.2f} GiB)"
+
+
+def format_state_size(r: dict) -> str:
+    lines = [
+        f"{r['model_type']}: {r['layers']} layers, state dtype {r['dtype']} (delta-rule states fp32), {r['tokens']:,} tokens",
+        f"{'layer kind':<34}{'layers':>7}{'B/token':>12}{'fixed B':>16}",
+    ]
+    for kind, k in r["kinds"].items():
+        lines.append(f"{kind:<34}{k['layers']:>7}{k['bytes_per_token']:>12,}{k['fixed_bytes']:>16,}")
+    lines.append(f"{'all layers':<34}{r['layers']:>7}{r['bytes_per_token']:>12,}{r['fixed_bytes']:>16,}")
+    lines.append(f"prefix state for {r['tokens']:,} tokens: {_gb(r['total_bytes'])}")
+    lines.append(f"exact mode adds dState: {_gb(r['exact_grad_bytes'])}")
+    if r["exact_boundary_bytes"]:
+        lines.append(
+            f"  and fixed states at {r['prompt_chunks']:,} chunk starts (chunk {r['prompt_chunk']:,}): "
+            f"{_gb(r['exact_boundary_bytes'])}"
+        )
+    return "\n".join(lines)
