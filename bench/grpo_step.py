@@ -55,8 +55,22 @@ def dense_config(max_pos: int) -> dict:
     }
 
 
-# Later issues add "qwen3_5" and "glm_moe_dsa" here.
-ARCHS = {"dense": dense_config}
+def qwen3_5_config(max_pos: int) -> dict:
+    """A tiny Qwen3.5 hybrid (qwen3_5_text layout): 4 layers = 3 Gated DeltaNet + 1 gated full attention."""
+    return {
+        **dense_config(max_pos),
+        "model_type": "qwen3_5_text",
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    }
+
+
+# A later issue adds "glm_moe_dsa" here.
+ARCHS = {"dense": dense_config, "qwen3_5": qwen3_5_config}
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ class GRPOConfig(BaseModel):
         "default: a quarter of free memory",
     )
     branch_batch: int = Field(1, ge=1, description="branches replayed together (right-padded)")
+    boundary_every: int | None = Field(
+        None, ge=1, description="exact mode with recurrent layers: keep their state at every n-th prompt-chunk start "
+        "and recompute the others during the prompt backward; default: 1 (all) if they fit an eighth of free "
+        "memory, else ceil(sqrt(chunks))",
+    )
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:

@@ -72,14 +72,14 @@ class PrefixState:
     """State of `prompt[:-1]`, per layer, plus what a replay needs: the last prompt token and its position.
 
     `chunks` are the (start, end) ranges the prompt was captured in. For the exact mode, `boundaries[i]` holds the
-    recurrent layers' states at the start of chunk i (needed to recompute chunk i); it is empty otherwise.
+    recurrent layers' states at the start of chunk i (to recompute chunk i), for every `boundary_every`-th chunk.
     """
 
     layers: list[LayerState]
     prompt_ids: Tensor  # [P], int64, the whole prompt (its last token starts every branch)
     chunks: list[tuple[int, int]]
     model_fingerprint: str
-    boundaries: list[dict[int, RecurrentState]] = field(default_factory=list)
+    boundaries: dict[int, dict[int, RecurrentState]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -96,7 +96,12 @@ class PrefixState:
 
     @property
     def boundary_nbytes(self) -> int:
-        return sum(s.nbytes for b in self.boundaries for s in b.values())
+        return sum(s.nbytes for b in self.boundaries.values() for s in b.values())
+
+    @property
+    def fixed_nbytes(self) -> int:
+        """Bytes of the fixed-size (recurrent) part of the state."""
+        return sum(s.nbytes for s in self.layers if isinstance(s, RecurrentState))
 
     def attention_grad_buffer(self) -> dict[int, AttentionState]:
         """dLoss/dState buffer for the per-token (attention) part of the state."""

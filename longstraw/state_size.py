@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .engine.backward import sqrt_interval
 from .models import config_from_hf
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
@@ -39,6 +40,9 @@ def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2
         "total_bytes": total,
         "exact_grad_bytes": total,
         "exact_boundary_bytes": fixed * chunks,
+        # with boundary_every = ceil(sqrt(chunks)): stored every n-th plus at most n regenerated at a time
+        "exact_sparse_boundary_every": (every := sqrt_interval(chunks)),
+        "exact_sparse_boundary_bytes": fixed * (-(-chunks // every) + every),
         "prompt_chunks": chunks,
         "prompt_chunk": chunk,
     }
@@ -62,5 +66,9 @@ def format_state_size(r: dict) -> str:
         lines.append(
             f"  and fixed states at {r['prompt_chunks']:,} chunk starts (chunk {r['prompt_chunk']:,}): "
             f"{_gb(r['exact_boundary_bytes'])}"
+        )
+        lines.append(
+            f"  or, with boundary_every={r['exact_sparse_boundary_every']} (one more no-grad prompt forward): "
+            f"{_gb(r['exact_sparse_boundary_bytes'])}"
         )
     return "\n".join(lines)

@@ -8,6 +8,7 @@ exact    as detached, plus dLoss/dState summed over branches, back-propagated th
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -131,16 +132,17 @@ def _capture_keeping_graphs(
 ) -> tuple[PrefixState, dict[int, AttentionState], dict[int, Kept]]:
     """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
     graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`.
-    Recurrent states at every chunk start are kept in state.boundaries."""
+    Recurrent states at every `boundary_every`-th chunk start are kept in state.boundaries."""
     state = empty_state(model, prompt, cfg.prompt_chunk)
     grad = state.attention_grad_buffer()
-    budget = cfg.prompt_graph_budget
-    if budget is None:
-        budget = free_bytes(next(model.parameters()).device) // 4
+    free = free_bytes(next(model.parameters()).device)
+    budget = free // 4 if cfg.prompt_graph_budget is None else cfg.prompt_graph_budget
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
+    every = cfg.boundary_every or boundary_interval(len(state.chunks), state.fixed_nbytes, free // 8)
     kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
-        state.boundaries.append(recurrent_states(state))
+        if i % every == 0 or i >= first_kept:
+            state.boundaries[i] = recurrent_states(state)
         if i >= first_kept:
             with torch.enable_grad():
                 emitted, leaves = _chunk_with_graph(model, state, i, grad)
@@ -151,6 +153,30 @@ def _capture_keeping_graphs(
         with torch.no_grad():
             store_chunk(state, s, emitted)
     return state, grad, kept
+
+
+def sqrt_interval(chunks: int) -> int:
+    """ceil(sqrt(chunks)): stored plus regenerated boundaries then stay near 2 sqrt(n) states."""
+    return max(1, math.isqrt(max(chunks, 1) - 1) + 1)
+
+
+def boundary_interval(chunks: int, fixed_bytes: int, budget: int) -> int:
+    """Keep every boundary when all fit `budget`; else every sqrt_interval-th, for one extra no-grad forward."""
+    return 1 if chunks * fixed_bytes <= budget else sqrt_interval(chunks)
+
+
+def _ensure_boundary(model: nn.Module, state: PrefixState, i: int) -> None:
+    """Regenerate the recurrent states at the starts of chunks j+1..i from the nearest stored boundary j < i."""
+    if i in state.boundaries:
+        return
+    j = max(b for b in state.boundaries if b < i)
+    with torch.no_grad():
+        for c in range(j, i):
+            prefix = [state.boundaries[c].get(k, layer) for k, layer in enumerate(state.layers)]
+            emitted = run_chunk(model, state, *state.chunks[c], prefix)
+            state.boundaries[c + 1] = {
+                k: RecurrentState(new.conv[0], new.ssm[0]) for k, new in emitted.items() if isinstance(new, RecurrentState)
+            }
 
 
 def _chunk_with_graph(
@@ -183,8 +209,10 @@ def prompt_backward(
         if i in kept:
             emitted, leaves = kept.pop(i)
         else:
+            _ensure_boundary(model, state, i)
             with torch.enable_grad():
                 emitted, leaves = _chunk_with_graph(model, state, i, grad)
+        state.boundaries.pop(i, None)  # chunk i is the last to need it
         outputs, grads = [], []
         for j, new in emitted.items():
             outputs += new.tensors()

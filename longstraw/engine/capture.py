@@ -65,20 +65,14 @@ def capture(
     prompt_ids,
     chunk_size: int = DEFAULT_CHUNK,
     *,
-    keep_boundaries: bool = False,
     progress: bool = False,
 ) -> PrefixState:
-    """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd.
-
-    `keep_boundaries` also keeps the recurrent layers' states at every chunk start (the exact mode needs them).
-    """
+    """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd."""
     cfg = model.config
     prompt = as_ids(prompt_ids, "prompt", cfg.vocab_size)
     if prompt.numel() > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
     state = empty_state(model, prompt, chunk_size)
     for s, e in tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False):
-        if keep_boundaries:
-            state.boundaries.append(recurrent_states(state))
         store_chunk(state, s, run_chunk(model, state, s, e))
     return state

@@ -69,6 +69,28 @@ def test_graph_budget_and_branch_batch_keep_gradient(model_type, budget, branch_
     assert rel_err(g_exact, g_naive) <= 1e-10
 
 
+@pytest.mark.parametrize("every", [2, 3, 100])
+@pytest.mark.parametrize("budget", ["zero", "partial"])
+def test_sparse_boundaries_keep_gradient(every, budget):
+    """Recurrent states kept only at every n-th chunk start, the rest regenerated during the prompt backward."""
+    model = tiny_model("qwen3_5_text", dtype=torch.float64)
+    prompt, responses = group(prompt_len=60)
+    bytes_ = {"zero": 0, "partial": 2 * 7 * model.activation_bytes_per_token()}[budget]
+    cfg = ls.GRPOConfig(prompt_chunk=7, prompt_graph_budget=bytes_, boundary_every=every)
+    g_naive, _ = grad_of(model, "naive", prompt, responses)
+    g_exact, _ = grad_of(model, "exact", prompt, responses, config=cfg)
+    assert rel_err(g_exact, g_naive) <= 1e-10
+
+
+def test_boundary_interval():
+    from longstraw.engine.backward import boundary_interval
+
+    assert boundary_interval(100, 10, 1000) == 1
+    assert boundary_interval(100, 10, 999) == 10
+    assert boundary_interval(101, 10, 999) == 11
+    assert boundary_interval(1026, 154_000_000, 10**10) == 33
+
+
 def test_kept_chunk_count_follows_budget():
     from longstraw.engine.backward import kept_chunk_count
 
