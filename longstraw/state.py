@@ -30,8 +30,43 @@ class AttentionState:
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.k, self.v)
 
-    def zeros_like(self) -> "AttentionState":
+    def differentiable(self) -> tuple[Tensor, ...]:
+        """The tensors that carry gradient (as emitted by a segment, with autograd history)."""
+        return (self.k, self.v)
+
+    def grad_buffer(self) -> "AttentionState":
+        """dLoss/dState buffer, zeros, with this state's layout."""
         return AttentionState(torch.zeros_like(self.k), torch.zeros_like(self.v))
+
+    def rows(self, start: int, end: int) -> list[Tensor]:
+        """Positions [start, end) of the differentiable tensors, with a batch dim of 1 (matches `emit`)."""
+        return [self.k[None, :, start:end], self.v[None, :, start:end]]
+
+
+@dataclass
+class LatentState:
+    """Per-token state of an MLA layer (GLM-5, DeepSeek): [c_kv (normalised latent) | k_rope (after RoPE)] in one
+    tensor `kv` [N, kv_lora_rank + rope_dim], and the DSA indexer key `index_k` [N, index_head_dim] (None for
+    layers that reuse another layer's selection). The prefix is never up-projected per head."""
+
+    kv: Tensor
+    index_k: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(*self.tensors())
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.kv,) if self.index_k is None else (self.kv, self.index_k)
+
+    def differentiable(self) -> tuple[Tensor, ...]:
+        return (self.kv,)  # the indexer gets no gradient from the LM loss (as in transformers)
+
+    def grad_buffer(self) -> "LatentState":
+        return LatentState(torch.zeros_like(self.kv))
+
+    def rows(self, start: int, end: int) -> list[Tensor]:
+        return [self.kv[None, start:end]]
 
 
 @dataclass
@@ -52,6 +87,9 @@ class RecurrentState:
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.conv, self.ssm)
 
+    def differentiable(self) -> tuple[Tensor, ...]:
+        return (self.conv, self.ssm)
+
     def leaf(self) -> "RecurrentState":
         """The same storage as a fresh autograd leaf (no copy): its .grad collects dLoss/dState."""
         return RecurrentState(self.conv.detach().requires_grad_(), self.ssm.detach().requires_grad_())
@@ -64,7 +102,8 @@ class RecurrentState:
         )
 
 
-LayerState = AttentionState | RecurrentState
+LayerState = AttentionState | LatentState | RecurrentState
+PerTokenState = AttentionState | LatentState
 
 
 @dataclass
@@ -103,9 +142,9 @@ class PrefixState:
         """Bytes of the fixed-size (recurrent) part of the state."""
         return sum(s.nbytes for s in self.layers if isinstance(s, RecurrentState))
 
-    def attention_grad_buffer(self) -> dict[int, AttentionState]:
-        """dLoss/dState buffer for the per-token (attention) part of the state."""
-        return {i: s.zeros_like() for i, s in enumerate(self.layers) if isinstance(s, AttentionState)}
+    def grad_buffer(self) -> dict[int, PerTokenState]:
+        """dLoss/dState buffer for the per-token part of the state (the exact mode's leaves)."""
+        return {i: s.grad_buffer() for i, s in enumerate(self.layers) if not isinstance(s, RecurrentState)}
 
     def snapshot(self) -> list[Tensor]:
         return [t.clone() for layer in self.layers for t in layer.tensors()]
@@ -124,9 +163,10 @@ class Segment:
     start: int = 0
     prefix: list[LayerState] | None = None
     prefix_len: int = 0
-    grad: dict[int, AttentionState] | None = None
+    grad: dict[int, PerTokenState] | None = None
     collect: bool = False
     emitted: dict[int, LayerState] = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)  # passed between layers of one forward (DSA top-k sharing)
 
     def emit(self, layer: int, state: LayerState) -> None:
         if self.collect:
@@ -143,6 +183,15 @@ class Segment:
             return None
         g = self.grad[layer]
         return g.k[:, : self.prefix_len], g.v[:, : self.prefix_len]
+
+    def prefix_latent(self, layer: int) -> tuple[LatentState, LatentState | None] | None:
+        """The first prefix_len positions of an MLA layer's state, and of its gradient buffer."""
+        if self.prefix is None or self.prefix_len == 0:
+            return None
+        s, n = self.prefix[layer], self.prefix_len
+        ik = None if s.index_k is None else s.index_k[:n]
+        g = None if self.grad is None else LatentState(self.grad[layer].kv[:n])
+        return LatentState(s.kv[:n], ik), g
 
     def initial_state(self, layer: int) -> RecurrentState | None:
         return None if self.prefix is None else self.prefix[layer]

@@ -53,6 +53,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads, and OpenMP spin-waits make a loaded machine 10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(1234)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig, branch_loss, token_weights
 from ..memory import free_bytes
-from ..state import AttentionState, LayerState, PrefixState, RecurrentState
+from ..state import LayerState, PerTokenState, PrefixState, RecurrentState
 from .capture import capture, empty_state, recurrent_states, run_chunk, store_chunk
 from .checks import as_ids, as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
@@ -129,12 +129,12 @@ def kept_chunk_count(model: nn.Module, chunks: list[tuple[int, int]], budget: in
 
 def _capture_keeping_graphs(
     model: nn.Module, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
-) -> tuple[PrefixState, dict[int, AttentionState], dict[int, Kept]]:
+) -> tuple[PrefixState, dict[int, PerTokenState], dict[int, Kept]]:
     """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
     graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`.
     Recurrent states at every `boundary_every`-th chunk start are kept in state.boundaries."""
     state = empty_state(model, prompt, cfg.prompt_chunk)
-    grad = state.attention_grad_buffer()
+    grad = state.grad_buffer()
     free = free_bytes(next(model.parameters()).device)
     budget = free // 4 if cfg.prompt_graph_budget is None else cfg.prompt_graph_budget
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
@@ -180,7 +180,7 @@ def _ensure_boundary(model: nn.Module, state: PrefixState, i: int) -> None:
 
 
 def _chunk_with_graph(
-    model: nn.Module, state: PrefixState, i: int, grad: dict[int, AttentionState]
+    model: nn.Module, state: PrefixState, i: int, grad: dict[int, PerTokenState]
 ) -> tuple[dict[int, LayerState], dict[int, RecurrentState]]:
     """Chunk i with autograd, its recurrent starting states as fresh leaves (so each chunk's graph stands alone)."""
     s, e = state.chunks[i]
@@ -192,7 +192,7 @@ def _chunk_with_graph(
 def prompt_backward(
     model: nn.Module,
     state: PrefixState,
-    grad: dict[int, AttentionState],
+    grad: dict[int, PerTokenState],
     d_final: dict[int, RecurrentState],
     kept: dict[int, Kept],
     progress: bool = False,
@@ -215,10 +215,10 @@ def prompt_backward(
         state.boundaries.pop(i, None)  # chunk i is the last to need it
         outputs, grads = [], []
         for j, new in emitted.items():
-            outputs += new.tensors()
-            if isinstance(new, AttentionState):
-                grads += [grad[j].k[None, :, s:e], grad[j].v[None, :, s:e]]
-            else:
+            outputs += new.differentiable()
+            if isinstance(new, RecurrentState):
                 grads += [d_final[j].conv[None], d_final[j].ssm[None]]
+            else:
+                grads += grad[j].rows(s, e)
         torch.autograd.backward(outputs, grads)
         d_final = {j: leaf.grads() for j, leaf in leaves.items()}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..state import AttentionState, LayerState, PrefixState, RecurrentState, Segment
+from ..state import LayerState, PerTokenState, PrefixState, RecurrentState, Segment
 from .checks import as_ids
 
 DEFAULT_CHUNK = 2048
@@ -24,7 +24,7 @@ def run_chunk(
     start: int,
     end: int,
     prefix: list[LayerState] | None = None,
-    grad: dict[int, AttentionState] | None = None,
+    grad: dict[int, PerTokenState] | None = None,
 ) -> dict[int, LayerState]:
     """Forward prompt[start:end] on the state of prompt[:start]; returns what each layer adds to the state.
 
@@ -47,12 +47,11 @@ def empty_state(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int) -> 
 def store_chunk(state: PrefixState, start: int, emitted: dict[int, LayerState]) -> None:
     """Append a chunk's K/V to the attention buffers; recurrent layers move on to the chunk's final state."""
     for i, new in emitted.items():
-        if isinstance(new, AttentionState):
-            n = new.k.shape[2]
-            state.layers[i].k[:, start : start + n] = new.k[0]
-            state.layers[i].v[:, start : start + n] = new.v[0]
-        else:
+        if isinstance(new, RecurrentState):
             state.layers[i] = RecurrentState(new.conv[0].detach(), new.ssm[0].detach())
+        else:
+            for buf, t in zip(state.layers[i].tensors(), new.tensors()):
+                buf.narrow(-2, start, t.shape[-2]).copy_(t[0])
 
 
 def recurrent_states(state: PrefixState) -> dict[int, RecurrentState]:

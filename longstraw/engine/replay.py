@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..state import AttentionState, LayerState, PrefixState, Segment
+from ..state import LayerState, PerTokenState, PrefixState, Segment
 from .checks import as_responses, check_positions, check_state
 
 
@@ -21,7 +21,7 @@ def replay_logprobs(
     model: nn.Module,
     state: PrefixState,
     responses: list[torch.Tensor],
-    grad: dict[int, AttentionState] | None = None,
+    grad: dict[int, PerTokenState] | None = None,
     prefix: list[LayerState] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.

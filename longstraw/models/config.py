@@ -192,3 +192,112 @@ def qwen3_5_config_from_hf(cfg: dict) -> Qwen35Config:
         attention_bias=bool(text.get("attention_bias", False)),
         raw=cfg,
     )
+
+
+@dataclass(frozen=True)
+class GlmMoeDsaConfig:
+    """GLM-5 (`glm_moe_dsa`): MLA + DSA indexer attention in every layer, MoE after `first_k_dense_replace`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    mlp_layer_types: tuple[str, ...]
+    indexer_types: tuple[str, ...]
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "glm_moe_dsa"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+    @property
+    def softmax_scale(self) -> float:
+        from .common.mla import yarn_softmax_scale
+
+        return yarn_softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.rope)
+
+    def state_spec(self) -> list[LayerStateSpec]:
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        full = LayerStateSpec("MLA latent + RoPE key + indexer key", per_token=latent + self.index_head_dim)
+        shared = LayerStateSpec("MLA latent + RoPE key (shared top-k)", per_token=latent)
+        return [full if t == "full" else shared for t in self.indexer_types]
+
+
+def glm_moe_dsa_config_from_hf(cfg: dict) -> GlmMoeDsaConfig:
+    n = cfg["num_hidden_layers"]
+    n_dense = min(cfg.get("first_k_dense_replace", 3), n)
+    mlp_types = tuple(cfg.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (n - n_dense))
+    indexer_types = cfg.get("indexer_types")
+    if indexer_types is None:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+        else:  # transformers' schedule: a full indexer every `freq` layers from `offset` on, all full before
+            freq, offset = max(cfg.get("index_topk_freq", 1), 1), cfg.get("index_skip_topk_offset", 2)
+            indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    indexer_types = tuple(indexer_types)
+    if len(mlp_types) != n or set(mlp_types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types must list {n} of dense/sparse")
+    if len(indexer_types) != n or set(indexer_types) - {"full", "shared"} or indexer_types[0] != "full":
+        raise ValueError(f"indexer_types must list {n} of full/shared, starting with full")
+    if not cfg.get("q_lora_rank"):
+        raise ValueError("glm_moe_dsa needs q_lora_rank (the indexer reads the q LoRA residual)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"glm_moe_dsa hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    experts = cfg.get("n_routed_experts", cfg.get("num_experts", 256))
+    if experts % cfg.get("n_group", 1):
+        raise ValueError("n_routed_experts must be divisible by n_group")
+    return GlmMoeDsaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 2048),
+        num_hidden_layers=n,
+        num_attention_heads=cfg["num_attention_heads"],
+        q_lora_rank=cfg["q_lora_rank"],
+        kv_lora_rank=cfg.get("kv_lora_rank", 512),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 192),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64),
+        v_head_dim=cfg.get("v_head_dim", 256),
+        index_topk=cfg.get("index_topk", 2048),
+        index_head_dim=cfg.get("index_head_dim", 128),
+        index_n_heads=cfg.get("index_n_heads", 32),
+        n_routed_experts=experts,
+        n_shared_experts=cfg.get("n_shared_experts", 1),
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+        n_group=cfg.get("n_group", 1),
+        topk_group=cfg.get("topk_group", 1),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 202752),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope=_rope_from_hf(cfg),
+        mlp_layer_types=mlp_types,
+        indexer_types=indexer_types,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        raw=cfg,
+    )

@@ -254,9 +254,9 @@ def test_unknown_model_type(tmp_path):
         ls.load_model(tmp_path)
     msg = str(e.value)
     assert "gpt2" in msg
-    for t in ("llama", "qwen2", "qwen3"):
+    for t in ("llama", "qwen2", "qwen3", "qwen3_5", "glm_moe_dsa"):
         assert t in msg
-    assert tuple(ls.SUPPORTED_MODEL_TYPES) == ("llama", "qwen2", "qwen3")
+    assert set(ls.SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "glm_moe_dsa"}
 
 
 def test_unsupported_rope_type(tmp_path):

@@ -98,3 +98,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek/GLM layout: pairs (x0, x1), (x2, x3), ... rotate together; the output lists the rotated even
+    features, then the rotated odd ones (as transformers does). cos/sin: [T, rotary_dim] = cat(freqs, freqs);
+    x: [..., T, rotary_dim]."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

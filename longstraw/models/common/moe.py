@@ -1,0 +1,70 @@
+"""Mixture of experts with a sigmoid router (GLM-5 / DeepSeek-V3): group-limited top-k, score-correction bias,
+normalised top-k weights, routed scaling, plus shared experts. Reference path: a loop over the experts hit."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import SwiGLU
+
+
+class TopkRouter(nn.Module):
+    def __init__(self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, norm_topk: bool,
+                 scaling: float) -> None:
+        super().__init__()
+        self.top_k, self.experts, self.groups, self.topk_groups = top_k, experts, groups, topk_groups
+        self.norm_topk, self.scaling = norm_topk, scaling
+        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=torch.float32))
+        # only shifts which experts are chosen, never their weights; updated by load balancing, not by gradient
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, top_k] with autograd, expert indices [N, top_k])."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        scores = F.linear(x.to(acc), self.weight.to(acc)).sigmoid()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias.to(acc)
+            per_group = choice.view(-1, self.groups, self.experts // self.groups)
+            group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+            best_groups = group_score.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+            keep = keep[:, :, None].expand_as(per_group).reshape(-1, self.experts)
+            idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scaling, idx
+
+
+class Experts(nn.Module):
+    """Experts fused as transformers stores them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[token, slot, None].to(x.dtype)
+            out = out.index_add(0, token, y)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, experts: int, shared: int, top_k: int, groups: int,
+                 topk_groups: int, norm_topk: bool, scaling: float) -> None:
+        super().__init__()
+        self.experts = Experts(experts, hidden, intermediate)
+        self.gate = TopkRouter(hidden, experts, top_k, groups, topk_groups, norm_topk, scaling)
+        self.shared_experts = SwiGLU(hidden, intermediate * shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = self.gate(flat)
+        return self.experts(flat, idx, w).view_as(x) + self.shared_experts(x)

@@ -1,0 +1,70 @@
+"""GLM-5 (`glm_moe_dsa`): MLA with the DSA indexer in every layer, MoE MLPs after the first dense layers.
+
+Parameter names follow transformers' `GlmMoeDsaForCausalLM` (experts fused; per-expert checkpoint keys are
+stacked on load). The router weight, its correction bias and the indexer head weights stay fp32, as there.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .common.decoder import CausalLM, DecoderLayer
+from .common.mla import MLAttention
+from .common.mlp import SwiGLU
+from .common.moe import MoE
+from .common.norm import RMSNorm
+from .common.rope import Rotary
+from .config import GlmMoeDsaConfig
+
+
+class GlmDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: GlmMoeDsaConfig, idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(idx, cfg, has_indexer=cfg.indexer_types[idx] == "full")
+        if cfg.mlp_layer_types[idx] == "sparse":
+            self.mlp = MoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.n_routed_experts,
+                cfg.n_shared_experts,
+                cfg.num_experts_per_tok,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GlmModel(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GlmDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+
+
+class GlmMoeDsaForCausalLM(CausalLM):
+    # kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules)
+    fp32_suffixes = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+    def __init__(self, cfg: GlmMoeDsaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = GlmModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def activation_bytes_per_token(self) -> int:
+        """Estimated autograd-saved bytes per token of a forward (MLA in latent space, routed + shared experts)."""
+        c = self.config
+        latent = c.kv_lora_rank + c.qk_rope_head_dim
+        attn = 3 * c.q_lora_rank + 3 * c.num_attention_heads * (latent + c.qk_nope_head_dim + c.v_head_dim)
+        moe = c.num_experts_per_tok * 4 * c.moe_intermediate_size + 4 * c.moe_intermediate_size * c.n_shared_experts
+        elems = sum(attn + 14 * c.hidden_size + (moe if t == "sparse" else 6 * c.intermediate_size)
+                    for t in c.mlp_layer_types)
+        return elems * self.lm_head.weight.element_size()
