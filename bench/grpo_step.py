@@ -69,8 +69,35 @@ def qwen3_5_config(max_pos: int) -> dict:
     }
 
 
-# A later issue adds "glm_moe_dsa" here.
-ARCHS = {"dense": dense_config, "qwen3_5": qwen3_5_config}
+def glm_moe_dsa_config(max_pos: int) -> dict:
+    """A tiny GLM-5 (glm_moe_dsa): 4 layers of MLA + DSA indexer (top-256), 1 dense then 3 MoE layers."""
+    return {
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "index_topk": 256,
+        "index_head_dim": 32,
+        "index_n_heads": 4,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-5,
+    }
+
+
+ARCHS = {"dense": dense_config, "qwen3_5": qwen3_5_config, "glm_moe_dsa": glm_moe_dsa_config}
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2
         k["bytes_per_token"] += spec.per_token * nbytes
         k["fixed_bytes"] += spec.fixed * nbytes + spec.fixed_fp32 * 4
     per_token = sum(k["bytes_per_token"] for k in kinds.values())
+    nograd = sum(spec.per_token_nograd for spec in cfg.state_spec()) * nbytes
     fixed = sum(k["fixed_bytes"] for k in kinds.values())
     chunks = -(-tokens // chunk)
     total = per_token * tokens + fixed
@@ -38,7 +39,8 @@ def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2
         "bytes_per_token": per_token,
         "fixed_bytes": fixed,
         "total_bytes": total,
-        "exact_grad_bytes": total,
+        "bytes_per_token_nograd": nograd,
+        "exact_grad_bytes": (per_token - nograd) * tokens + fixed,
         "exact_boundary_bytes": fixed * chunks,
         # with boundary_every = ceil(sqrt(chunks)): stored every n-th plus at most n regenerated at a time
         "exact_sparse_boundary_every": (every := sqrt_interval(chunks)),
@@ -53,15 +55,17 @@ def _gb(n: int) -> str:
 
 
 def format_state_size(r: dict) -> str:
+    note = " (delta-rule states fp32)" if r["fixed_bytes"] else ""
     lines = [
-        f"{r['model_type']}: {r['layers']} layers, state dtype {r['dtype']} (delta-rule states fp32), {r['tokens']:,} tokens",
-        f"{'layer kind':<34}{'layers':>7}{'B/token':>12}{'fixed B':>16}",
+        f"{r['model_type']}: {r['layers']} layers, state dtype {r['dtype']}{note}, {r['tokens']:,} tokens",
+        f"{'layer kind':<40}{'layers':>7}{'B/token':>12}{'fixed B':>16}",
     ]
     for kind, k in r["kinds"].items():
-        lines.append(f"{kind:<34}{k['layers']:>7}{k['bytes_per_token']:>12,}{k['fixed_bytes']:>16,}")
-    lines.append(f"{'all layers':<34}{r['layers']:>7}{r['bytes_per_token']:>12,}{r['fixed_bytes']:>16,}")
+        lines.append(f"{kind:<40}{k['layers']:>7}{k['bytes_per_token']:>12,}{k['fixed_bytes']:>16,}")
+    lines.append(f"{'all layers':<40}{r['layers']:>7}{r['bytes_per_token']:>12,}{r['fixed_bytes']:>16,}")
     lines.append(f"prefix state for {r['tokens']:,} tokens: {_gb(r['total_bytes'])}")
-    lines.append(f"exact mode adds dState: {_gb(r['exact_grad_bytes'])}")
+    what = " (indexer keys get no gradient)" if r["bytes_per_token_nograd"] else ""
+    lines.append(f"exact mode adds dState{what}: {_gb(r['exact_grad_bytes'])}")
     if r["exact_boundary_bytes"]:
         lines.append(
             f"  and fixed states at {r['prompt_chunks']:,} chunk starts (chunk {r['prompt_chunk']:,}): "

@@ -24,6 +24,7 @@ class LayerStateSpec:
 
     kind: str
     per_token: int = 0
+    per_token_nograd: int = 0  # part of per_token that gets no gradient (DSA indexer keys)
     fixed: int = 0  # in the model dtype
     fixed_fp32: int = 0  # kept in fp32 whatever the model dtype (delta-rule state)
 
@@ -241,7 +242,9 @@ class GlmMoeDsaConfig:
 
     def state_spec(self) -> list[LayerStateSpec]:
         latent = self.kv_lora_rank + self.qk_rope_head_dim
-        full = LayerStateSpec("MLA latent + RoPE key + indexer key", per_token=latent + self.index_head_dim)
+        full = LayerStateSpec(
+            "MLA latent + RoPE key + indexer key", per_token=latent + self.index_head_dim, per_token_nograd=self.index_head_dim
+        )
         shared = LayerStateSpec("MLA latent + RoPE key (shared top-k)", per_token=latent)
         return [full if t == "full" else shared for t in self.indexer_types]
 
