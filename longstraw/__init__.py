@@ -5,6 +5,7 @@ from .engine.capture import capture
 from .engine.replay import score
 from .grpo import GRPOConfig, group_advantages
 from .models import SUPPORTED_MODEL_TYPES, build_model, load_model
+from .rollout import Sample, rollout
 from .state import AttentionState, PrefixState
 
 __all__ = [
@@ -13,10 +14,12 @@ __all__ = [
     "AttentionState",
     "GRPOConfig",
     "PrefixState",
+    "Sample",
     "build_model",
     "capture",
     "group_advantages",
     "grpo_backward",
     "load_model",
+    "rollout",
     "score",
 ]

@@ -90,6 +90,10 @@ class RecurrentState:
     def differentiable(self) -> tuple[Tensor, ...]:
         return (self.conv, self.ssm)
 
+    def expand_rows(self, rows: int) -> "RecurrentState":
+        """The state for `rows` branches as broadcast views (no copy; each branch's next state is its own)."""
+        return RecurrentState(self.conv[None].expand(rows, *self.conv.shape), self.ssm[None].expand(rows, *self.ssm.shape))
+
     def leaf(self) -> "RecurrentState":
         """The same storage as a fresh autograd leaf (no copy): its .grad collects dLoss/dState."""
         return RecurrentState(self.conv.detach().requires_grad_(), self.ssm.detach().requires_grad_())
@@ -167,6 +171,10 @@ class Segment:
     collect: bool = False
     emitted: dict[int, LayerState] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # passed between layers of one forward (DSA top-k sharing)
+    # decoding: per-branch buffers of the tokens generated so far (batch dim first), `cache_len` of them filled;
+    # per-token layers write the new token at cache_len and attend over prefix + cache
+    cache: dict[int, "PerTokenState"] | None = None
+    cache_len: int = 0
 
     def emit(self, layer: int, state: LayerState) -> None:
         if self.collect:

@@ -178,3 +178,19 @@ def segment_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
     return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel)
+
+
+@torch.no_grad()
+def decode_attention(
+    q: Tensor, own_k: Tensor, own_v: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """One new token per row (q [B, H, 1, d]) over the shared prefix and the row's own tokens so far, itself
+    included (own_k/own_v [B, Hkv, L+1, d]); merged by log-sum-exp like `segment_attention`."""
+    if q.shape[2] != 1:
+        raise ValueError("decode_attention takes one query token per row")
+    o, lse = part_forward(q, own_k, own_v, False, scale)
+    if prefix is not None and prefix[0].shape[1]:
+        b, h = q.shape[:2]
+        o_p, l_p = part_forward(_fold(q, own_k.shape[1]), prefix[0][None], prefix[1][None], False, scale)
+        o, lse = _merge(_unfold(o_p, b, h), _unfold(l_p, b, h), o, lse)
+    return o

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attention import segment_attention
+from ...ops.attention import decode_attention, segment_attention
 from ...state import AttentionState, Segment
 from .rope import apply_rotary
 
@@ -43,6 +43,11 @@ class Attention(nn.Module):
         shape = (self.kv_heads, tokens, self.head_dim)
         return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
+    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> AttentionState:
+        """Per-branch K/V buffers for `tokens` generated tokens."""
+        shape = (rows, self.kv_heads, tokens, self.head_dim)
+        return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
     def _kv(self, x: torch.Tensor, rope) -> AttentionState:
         b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
@@ -64,9 +69,13 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)
         kv = self._kv(x, rope)
         seg.emit(self.layer_idx, kv)
-        out = segment_attention(
-            q, kv.k, kv.v, self.scale, prefix=seg.prefix_kv(self.layer_idx), prefix_grad=seg.prefix_grad(self.layer_idx)
-        )
+        prefix = seg.prefix_kv(self.layer_idx)
+        if seg.cache is not None:
+            c, end = seg.cache[self.layer_idx], seg.cache_len + t
+            c.k[:, :, seg.cache_len : end], c.v[:, :, seg.cache_len : end] = kv.k, kv.v
+            out = decode_attention(q, c.k[:, :, :end], c.v[:, :, :end], self.scale, prefix)
+        else:
+            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, seg.prefix_grad(self.layer_idx))
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))

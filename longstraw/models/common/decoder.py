@@ -45,6 +45,11 @@ class CausalLM(nn.Module):
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device) -> list[LayerState]:
         return [layer.mixer.empty_state(tokens, dtype, device) for layer in self.model.layers]
 
+    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerState]:
+        """Per-branch buffers for decoding `tokens` tokens, for the layers with per-token state."""
+        mixers = [layer.mixer for layer in self.model.layers]
+        return {i: m.empty_cache(rows, tokens, dtype, device) for i, m in enumerate(mixers) if hasattr(m, "empty_cache")}
+
     def forward(
         self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int | None = 0
     ) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.attention import segment_attention
+from ...ops.attention import decode_attention, segment_attention
 from ...ops.sparse_attention import KEY_BLOCK, select_topk, sparse_latent_attention
 from ...state import LatentState, Segment
 from .norm import RMSNorm
@@ -96,6 +96,11 @@ class MLAttention(nn.Module):
             ik = torch.empty(tokens, self.indexer.head_dim, dtype=dtype, device=device)
         return LatentState(kv, ik)
 
+    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> LatentState:
+        """Per-branch latent (and indexer key) buffers for `tokens` generated tokens."""
+        s = self.empty_state(tokens, dtype, device)
+        return LatentState(s.kv.expand(rows, -1, -1).clone(), None if s.index_k is None else s.index_k.expand(rows, -1, -1).clone())
+
     def _latent(self, x: torch.Tensor, rope) -> LatentState:
         """[c_kv | k_rope] of the segment's tokens [B, T, rank + rope] and (no grad) their indexer keys."""
         c, kr = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
@@ -109,19 +114,19 @@ class MLAttention(nn.Module):
     def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> None:
         seg.emit(self.layer_idx, self._latent(x, rope))
 
-    def _select(self, x, q_resid, rope, own: LatentState, prefix: LatentState | None, seg: Segment):
-        """Top-k positions per query over prefix ++ own (None: every visible position fits in index_topk)."""
+    def _select(self, x, q_resid, rope, own: LatentState, prefix: LatentState | None, seg: Segment, causal: bool):
+        """Top-k positions per query over prefix ++ own (None: every visible position fits in index_topk).
+        `causal`: own holds the segment's tokens (False when decoding: own is the branch so far, query last)."""
         n = 0 if prefix is None else prefix.kv.shape[0]
         if not hasattr(self, "indexer"):
             return seg.scratch.get("dsa_topk")  # a "shared" layer reuses the last full indexer's selection
-        t = x.shape[1]
         sel = None
-        if self.index_topk < n + t:
+        if self.index_topk < n + own.kv.shape[1]:
             with torch.no_grad():
                 qw = self.indexer.queries(x, q_resid, rope)
                 # streamed: one block of prefix scores exists at a time
                 blocks = ((p0, self.indexer.scores(qw, prefix.index_k[p0 : p0 + KEY_BLOCK], False)) for p0 in range(0, n, KEY_BLOCK))
-                own_scores = self.indexer.scores(qw, own.index_k, causal=True)
+                own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
                 sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
         seg.scratch["dsa_topk"] = sel
         return sel
@@ -140,12 +145,22 @@ class MLAttention(nn.Module):
         seg.emit(self.layer_idx, own)
         pre = seg.prefix_latent(self.layer_idx)
         prefix, grad = pre if pre is not None else (None, None)
-        sel = self._select(x, q_resid, rope, own, prefix, seg)
+        decoding = seg.cache is not None
+        if decoding:  # own becomes the branch's tokens so far, this one included
+            c, end = seg.cache[self.layer_idx], seg.cache_len + t
+            c.kv[:, seg.cache_len : end] = own.kv
+            if c.index_k is not None:
+                c.index_k[:, seg.cache_len : end] = own.index_k
+            own = LatentState(c.kv[:, :end], None if c.index_k is None else c.index_k[:, :end])
+        sel = self._select(x, q_resid, rope, own, prefix, seg, causal=not decoding)
         if sel is None:  # dense: one shared head whose values are the keys; keep the c_kv part of the output
             kv = own.kv[:, None]
             pk = None if prefix is None else (prefix.kv[None], prefix.kv[None])
-            pg = None if grad is None else (grad.kv[None], grad.kv[None])
-            o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg)
+            if decoding:
+                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk)
+            else:
+                pg = None if grad is None else (grad.kv[None], grad.kv[None])
+                o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg)
             o = o.transpose(1, 2)[..., : self.rank]
         else:
             o = sparse_latent_attention(

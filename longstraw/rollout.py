@@ -1,0 +1,118 @@
+"""Sample G responses from one captured prefix state, all branches decoded together on the shared prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .engine.checks import check_state
+from .state import PrefixState, RecurrentState, Segment
+
+
+@dataclass
+class Sample:
+    """One sampled response: its tokens, the model's log-probability of each (temperature 1, before any top-k /
+    top-p filtering: what `score()` returns and GRPO's old_logprobs need), and why it ended."""
+
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] fp32
+    finish_reason: str  # "stop" (a stop id was sampled, and kept as the last token) or "length"
+
+
+def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Sampling distribution's logits [n, V]: tempered, then top-k, then nucleus (top-p) filtered."""
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def rollout(
+    model: nn.Module,
+    state: PrefixState,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] = (),
+    seed: int | None = None,
+) -> list[Sample]:
+    """Generate `n` responses to the captured prompt.
+
+    All branches decode in one batch: attention layers read the one shared prefix state plus each branch's own
+    tokens (merged by log-sum-exp; the prefix is never copied per branch); recurrent layers get a per-branch copy
+    of their fixed-size state. Branch i samples with its own generator seeded `seed + i`, so a branch's tokens
+    do not depend on the others. `temperature == 0` is greedy.
+    """
+    check_state(model, state)
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"rollout needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (0, 1], top_k={top_k} (>= 0)")
+    cfg = model.config
+    if state.length + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({state.length + 1}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    bad = [s for s in stop_ids if not 0 <= s < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"stop_ids {bad} are outside the model vocab [0, {cfg.vocab_size})")
+
+    p = next(model.parameters())
+    device = state.prompt_ids.device
+    seed = int(torch.seed()) if seed is None else seed
+    gens = [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
+    cache = model.empty_cache(n, max_new_tokens, p.dtype, p.device)
+    # recurrent layers: per-branch copies (fixed size); per-token layers: the shared state itself
+    prefix = [s.expand_rows(n) if isinstance(s, RecurrentState) else s for s in state.layers]
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+
+    tokens = torch.full((n, 1), state.last_token, dtype=torch.long, device=device)
+    out_tokens, out_logps = [], []
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    for t in range(max_new_tokens):
+        seg = Segment(start=state.length + t, prefix=prefix, prefix_len=state.length, cache=cache, cache_len=t,
+                      collect=True)
+        logits = model(tokens, seg)[:, -1].float()
+        for i, new in seg.emitted.items():
+            if isinstance(new, RecurrentState):
+                prefix[i] = new
+        logp = torch.log_softmax(logits, dim=-1)
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            probs = _filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+            nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i]) for i in range(n)])
+        out_tokens.append(nxt)
+        out_logps.append(logp.gather(-1, nxt[:, None])[:, 0])
+        done = done | torch.isin(nxt, stops)
+        if bool(done.all()):
+            break
+        tokens = nxt[:, None]
+    return _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), stops)
+
+
+def _samples(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor) -> list[Sample]:
+    samples = []
+    for row, lp in zip(tokens, logps):
+        hit = torch.isin(row, stops).nonzero()
+        if len(hit):
+            end = int(hit[0]) + 1
+            samples.append(Sample(row[:end].cpu(), lp[:end].cpu(), "stop"))
+        else:
+            samples.append(Sample(row.cpu(), lp.cpu(), "length"))
+    return samples

@@ -1,0 +1,130 @@
+"""rollout(): batched sampling of n branches from one shared prefix state."""
+
+import pytest
+import torch
+
+import longstraw as ls
+from longstraw.rollout import _filter_logits
+from tests.conftest import tiny_model
+
+GLM = dict(
+    model_type="glm_moe_dsa", vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=12, index_topk=20, index_head_dim=16, index_n_heads=8, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=1024,
+    routed_scaling_factor=2.5,
+)
+
+
+def model_for(arch: str):
+    if arch == "glm_moe_dsa":  # index_topk 20 < prompt: decoding runs the sparse path
+        torch.manual_seed(0)
+        return ls.build_model(GLM)
+    return tiny_model(arch)
+
+
+def sharpen(model):
+    """Random tiny models are near-uniform; a larger LM head makes the distribution peaked, so greedy and
+    top-k/top-p runs are not dominated by near-ties."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+ARCHS = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
+    model = sharpen(model_for(arch))
+    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    kw = dict(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[3])
+    batch = ls.rollout(model, state, n=4, seed=11, **kw)
+    singles = [ls.rollout(model, state, n=1, seed=11 + i, **kw)[0] for i in range(4)]
+    for a, b in zip(batch, singles):
+        assert torch.equal(a.tokens, b.tokens)
+        assert a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    if temperature > 0:
+        assert len({tuple(s.tokens.tolist()) for s in batch}) > 1  # branches really differ
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_logprobs_equal_score(arch):
+    model = model_for(arch)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    samples = ls.rollout(model, state, n=3, max_new_tokens=12, temperature=1.0, seed=3)
+    scored = ls.score(model, state, [s.tokens for s in samples])
+    for s, ref in zip(samples, scored):
+        assert s.tokens.shape == s.logprobs.shape
+        torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)
+
+
+def test_greedy_is_argmax_of_full_forward():
+    model = sharpen(tiny_model())
+    prompt = torch.randint(0, 97, (30,))
+    sample = ls.rollout(model, ls.capture(model, prompt), n=2, max_new_tokens=6, temperature=0)[0]
+    ids = prompt.clone()
+    for _ in range(6):
+        with torch.no_grad():
+            ids = torch.cat([ids, model(ids[None])[0, -1].argmax()[None]])
+    assert torch.equal(sample.tokens, ids[30:])
+
+
+def test_same_seed_same_samples_and_stop_handling():
+    model = tiny_model()
+    state = ls.capture(model, torch.randint(0, 97, (20,)))
+    a = ls.rollout(model, state, n=3, max_new_tokens=30, seed=5, stop_ids=[1, 2, 3])
+    b = ls.rollout(model, state, n=3, max_new_tokens=30, seed=5, stop_ids=[1, 2, 3])
+    assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    for s in a:
+        stops = [i for i, t in enumerate(s.tokens.tolist()) if t in (1, 2, 3)]
+        if s.finish_reason == "stop":
+            assert stops == [len(s.tokens) - 1]
+        else:
+            assert stops == [] and len(s.tokens) == 30
+
+
+def test_prefix_is_shared_not_copied(monkeypatch):
+    """Every decoding step reads the per-token state objects of the capture itself (no per-branch copies)."""
+    model = tiny_model("qwen3_5_text")
+    state = ls.capture(model, torch.randint(0, 97, (25,)))
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, input_ids, seg=None, logits_from=0):
+        seen.append(seg)
+        return forward(self, input_ids, seg, logits_from)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    ls.rollout(model, state, n=5, max_new_tokens=4, seed=0)
+    per_token = [i for i, s in enumerate(state.layers) if isinstance(s, ls.AttentionState)]
+    assert per_token and len(seen) == 4
+    for seg in seen:
+        assert all(seg.prefix[i] is state.layers[i] for i in per_token)
+        assert all(seg.cache[i].k.shape[0] == 5 for i in per_token)  # only the branches' own tokens are per-branch
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda f: torch.isfinite(f)[0].tolist()  # noqa: E731
+    assert keep(_filter_logits(logits, 1.0, 2, 1.0)) == [True, True, False, False]
+    assert keep(_filter_logits(logits, 1.0, 0, 0.7)) == [True, True, False, False]
+    assert keep(_filter_logits(logits, 1.0, 0, 0.5)) == [True, False, False, False]
+    assert keep(_filter_logits(logits, 1.0, 0, 0.96)) == [True, True, True, True]
+
+
+def test_bad_arguments():
+    model = tiny_model(max_position_embeddings=64)
+    state = ls.capture(model, torch.randint(0, 97, (50,)))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ls.rollout(model, state, n=2, max_new_tokens=20)
+    with pytest.raises(ValueError, match="n >= 1"):
+        ls.rollout(model, state, n=0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        ls.rollout(model, state, n=1, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="stop_ids"):
+        ls.rollout(model, state, n=1, max_new_tokens=2, stop_ids=[500])
+    with pytest.raises(ValueError, match="different model"):
+        ls.rollout(tiny_model(num_hidden_layers=2), state, n=1, max_new_tokens=2)
