@@ -1,0 +1,83 @@
+"""Rollout throughput and memory: n branches decoded together on one shared prefix state.
+
+Each n runs in its own subprocess: capture the prompt, then time `rollout` (fixed length: no stop ids) and read
+the extra peak RSS. Memory should grow with n only by the branches' own tokens, never by n copies of the prefix.
+
+    .venv/bin/python bench/rollout.py                    # tiny dense model, 16K-token prompt, n in {1, 8}
+    .venv/bin/python bench/rollout.py --arch qwen3_5 --n 1 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_step import ARCHS  # noqa: E402
+
+MIB = 2**20
+TAG = "ROLLOUT_RESULT "
+
+
+def worker(p: dict) -> dict:
+    import torch
+
+    import longstraw as ls
+    from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
+
+    torch.set_num_threads(p["threads"])
+    torch.manual_seed(0)
+    cfg = ARCHS[p["arch"]](p["P"] + p["tokens"] + 8)
+    model = ls.build_model(cfg)
+    prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
+    state = ls.capture(model, prompt)
+    release_freed()
+    base = current_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    samples = ls.rollout(model, state, n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(s.tokens) for s in samples)
+    return {**p, "seconds": seconds, "tokens_per_s": generated / seconds, "peak_bytes": peak_bytes() - base,
+            "state_bytes": state.nbytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="dense", choices=list(ARCHS))
+    ap.add_argument("--P", type=int, default=16384, help="prompt tokens")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8], help="branches")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per branch")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/out/rollout.json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    rows = []
+    print(f"rollout bench: arch={args.arch} P={args.P} new tokens={args.tokens} threads={args.threads}")
+    print(f"{'n':>4} {'seconds':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} {'n x state MiB':>14}")
+    for n in args.n:
+        params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads}
+        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(params)], capture_output=True, text=True)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(TAG)), None)
+        if line is None:
+            print(f"n={n} failed:\n{out.stderr[-2000:]}", flush=True)
+            continue
+        r = json.loads(line[len(TAG):])
+        rows.append(r)
+        print(f"{n:>4} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} "
+              f"{r['state_bytes'] / MIB:>10.1f} {n * r['state_bytes'] / MIB:>14.1f}", flush=True)
+    if len(rows) >= 2:
+        print(f"throughput n={rows[-1]['n']} / n={rows[0]['n']}: {rows[-1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
