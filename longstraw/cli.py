@@ -1,4 +1,4 @@
-"""Command line: `longstraw step --config configs/tiny.yaml`, `longstraw state-size --config ... --tokens N`."""
+"""Command line: `longstraw step`, `longstraw state-size`, `longstraw sft` (see --help of each)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,23 @@ def _state_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .sft import SFTConfig, run_sft
+
+    cfg = load_config(args.config, SFTConfig)
+    overrides = {k: v for k, v in {"task": args.task, "steps": args.steps, "out": args.out}.items() if v is not None}
+    cfg = cfg.model_copy(update=overrides)
+    print(f"SFT warm start: task {cfg.task}, {cfg.prompt_tokens}-token prompts, {cfg.steps} steps of {cfg.batch}", flush=True)
+    r = run_sft(cfg, progress=not args.no_progress)
+    print(f"reward before {r['reward_before']:.3f} -> after {r['reward_after']:.3f} (final loss {r['final_loss']:.3f}, "
+          f"{r['seconds']:.0f} s); checkpoint: {r['checkpoint']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prompt chunk size (exact-mode boundary states)")
     p.add_argument("--json", help="also write the report to this JSON file")
     p.set_defaults(func=_state_size)
+    p = sub.add_parser("sft", help="supervised warm start of a tiny model on a built-in task (reward before/after)")
+    p.add_argument("--config", default="configs/sft-tiny.yaml", help="YAML SFTConfig")
+    p.add_argument("--task", help="override the config's task (kv-retrieval, multi-hop, needle-count)")
+    p.add_argument("--steps", type=int, help="override the number of training steps")
+    p.add_argument("--out", help="override the checkpoint directory")
+    p.add_argument("--json", help="also write the result to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_sft)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

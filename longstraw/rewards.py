@@ -1,0 +1,124 @@
+"""Reward functions `reward(prompt_meta, response_text) -> float`, by name or as "module:function"."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from typing import Any, Callable, Sequence
+
+from .tasks import TASKS, first_number, need
+
+log = logging.getLogger("longstraw")
+
+RewardFn = Callable[[dict, str], float]
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make a reward available to `get_reward(name)` (and so to run configs)."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS and _REWARDS[name] is not fn:
+            raise ValueError(f"a reward named {name!r} is already registered ({_REWARDS[name]!r}); pick another name")
+        _REWARDS[name] = fn
+        return fn
+
+    return add
+
+
+def reward_names() -> list[str]:
+    return sorted(_REWARDS)
+
+
+def get_reward(spec: str) -> RewardFn:
+    """A registered name (see reward_names()) or "package.module:function" importable from sys.path."""
+    if spec in _REWARDS:
+        return _REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown reward {spec!r}; registered rewards: {', '.join(reward_names())}; "
+                         f"or give your own as 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected 'module:function', e.g. 'my_rewards:score'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e}); check the name and that "
+                         f"its directory is on PYTHONPATH") from e
+    for part in attr.split("."):  # 'Class.method' works as well as 'function'
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"reward {spec!r} is a {type(obj).__name__}, not a function; it must be callable as "
+                        f"fn(prompt_meta: dict, response_text: str) -> float")
+    return obj
+
+
+def _as_reward(value: Any) -> float | None:
+    """The value as a finite float, or None (strings, None, NaN, inf, tensors with more than one element)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -> tuple[list[float], int]:
+    """Reward per sample, and how many failed. A reward that raises or returns no finite number scores 0.0 and is
+    logged: one bad sample must not end a training run."""
+    if len(metas) != len(texts):
+        raise ValueError(f"compute_rewards got {len(metas)} metas but {len(texts)} texts; pass one meta per text")
+    name = getattr(fn, "__name__", repr(fn))
+    rewards: list[float] = []
+    failed = 0
+    for i, (meta, text) in enumerate(zip(metas, texts)):
+        try:
+            value = fn(meta, text)
+        except Exception as e:
+            log.warning("reward %s raised on sample %d, scored 0.0: %s: %s", name, i, type(e).__name__, e)
+            rewards.append(0.0)
+            failed += 1
+            continue
+        v = _as_reward(value)
+        if v is None:
+            log.warning("reward %s returned %r on sample %d, not a finite number; scored 0.0", name, value, i)
+            rewards.append(0.0)
+            failed += 1
+        else:
+            rewards.append(v)
+    return rewards, failed
+
+
+# ---- built-ins ----------------------------------------------------------------------------------------------
+
+
+@register_reward("exact_match")
+def exact_match(prompt_meta: dict, response_text: str) -> float:
+    """1.0 if the response, stripped, equals meta["answer"]."""
+    return 1.0 if response_text.strip() == str(need(prompt_meta, "answer", "exact_match")).strip() else 0.0
+
+
+@register_reward("number_match")
+def number_match(prompt_meta: dict, response_text: str) -> float:
+    """1.0 if the first number in the response equals meta["answer"] numerically ('1,000.0' == 1000)."""
+    answer = need(prompt_meta, "answer", "number_match")
+    expected = float(answer) if isinstance(answer, (int, float)) else first_number(str(answer))
+    if expected is None:
+        raise ValueError(f"number_match: meta['answer'] = {answer!r} holds no number")
+    got = first_number(response_text)
+    return 1.0 if got is not None and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12) else 0.0
+
+
+@register_reward("regex_match")
+def regex_match(prompt_meta: dict, response_text: str) -> float:
+    """1.0 if the regular expression meta["pattern"] matches anywhere in the response."""
+    return 1.0 if re.search(need(prompt_meta, "pattern", "regex_match"), response_text) else 0.0
+
+
+for _name, _task in TASKS.items():  # each task's verifier is a reward under the task's name
+    register_reward(_name)(_task.verify)
