@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import ARCHS  # noqa: E402
+from worker import report, run_worker  # noqa: E402
 
 MIB = 2**20
-TAG = "ROLLOUT_RESULT "
 
 
 def worker(p: dict) -> dict:
     import torch
 
     import longstraw as ls
-    from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
+    from longstraw.memory import PeakMeter
 
     torch.set_num_threads(p["threads"])
     torch.manual_seed(0)
@@ -35,14 +33,10 @@ def worker(p: dict) -> dict:
     model = ls.build_model(cfg)
     prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
     state = ls.capture(model, prompt)
-    release_freed()
-    base = current_bytes()
-    reset_peak()
-    t0 = time.perf_counter()
-    samples = ls.rollout(model, state, n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0)
-    seconds = time.perf_counter() - t0
+    with PeakMeter() as m:
+        samples = ls.rollout(model, state, n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0)
     generated = sum(len(s.tokens) for s in samples)
-    return {**p, "seconds": seconds, "tokens_per_s": generated / seconds, "peak_bytes": peak_bytes() - base,
+    return {**p, "seconds": m.seconds, "tokens_per_s": generated / m.seconds, "peak_bytes": m.peak_bytes,
             "state_bytes": state.nbytes}
 
 
@@ -57,19 +51,16 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        report(worker(json.loads(args.worker)))
         return
     rows = []
     print(f"rollout bench: arch={args.arch} P={args.P} new tokens={args.tokens} threads={args.threads}")
     print(f"{'n':>4} {'seconds':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} {'n x state MiB':>14}")
     for n in args.n:
         params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads}
-        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(params)], capture_output=True, text=True)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(TAG)), None)
-        if line is None:
-            print(f"n={n} failed:\n{out.stderr[-2000:]}", flush=True)
+        r = run_worker(__file__, params)
+        if r is None:
             continue
-        r = json.loads(line[len(TAG):])
         rows.append(r)
         print(f"{n:>4} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} "
               f"{r['state_bytes'] / MIB:>10.1f} {n * r['state_bytes'] / MIB:>14.1f}", flush=True)

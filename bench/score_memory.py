@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import ARCHS  # noqa: E402
+from worker import report, run_worker  # noqa: E402
 
 MIB = 2**20
-TAG = "SCORE_MEMORY_RESULT "
 
 
 def worker(p: dict) -> dict:
     import torch
 
     import longstraw as ls
-    from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
+    from longstraw.memory import PeakMeter
 
     torch.set_num_threads(p["threads"])
     torch.manual_seed(0)
@@ -42,12 +41,8 @@ def worker(p: dict) -> dict:
     t0 = time.perf_counter()
     state = ls.capture(model, prompt)
     capture_s = time.perf_counter() - t0
-    release_freed()
-    base = current_bytes()
-    reset_peak()
-    t0 = time.perf_counter()
-    ls.score(model, state, [response])
-    score_s = time.perf_counter() - t0
+    with PeakMeter() as m:
+        ls.score(model, state, [response])
     c = model.config
     heads = c.num_attention_heads
     # what an up-projected per-head K/V of the prefix would take (fp32), e.g. transformers' MLA expand_kv
@@ -56,10 +51,10 @@ def worker(p: dict) -> dict:
     return {
         **p,
         "state_bytes": state.nbytes,
-        "score_peak_bytes": peak_bytes() - base,
+        "score_peak_bytes": m.peak_bytes,
         "expanded_kv_bytes_per_layer": heads * per_head * p["P"] * 4,
         "capture_s": capture_s,
-        "score_s": score_s,
+        "score_s": m.seconds,
     }
 
 
@@ -74,19 +69,16 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        report(worker(json.loads(args.worker)))
         return
     rows = []
     print(f"{'P':>7} {'state MiB':>10} {'score peak MiB':>15} {'per-head K/V of one layer MiB':>30} {'capture s':>10} {'score s':>8}")
     for p_len in args.P:
         params = {"arch": args.arch, "P": p_len, "R": args.R, "threads": args.threads,
                   "overrides": {"num_attention_heads": args.heads}}
-        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(params)], capture_output=True, text=True)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(TAG)), None)
-        if line is None:
-            print(f"P={p_len} failed:\n{out.stderr[-2000:]}", flush=True)
+        r = run_worker(__file__, params)
+        if r is None:
             continue
-        r = json.loads(line[len(TAG):])
         rows.append(r)
         print(f"{p_len:>7} {r['state_bytes'] / MIB:>10.1f} {r['score_peak_bytes'] / MIB:>15.1f} "
               f"{r['expanded_kv_bytes_per_layer'] / MIB:>30.1f} {r['capture_s']:>10.1f} {r['score_s']:>8.2f}", flush=True)

@@ -56,3 +56,31 @@ def current_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+class PeakMeter:
+    """`with PeakMeter(device) as m:` -> m.peak_bytes (peak above the start) and m.seconds of the block."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.peak_bytes = 0
+        self.seconds = 0.0
+
+    def __enter__(self) -> "PeakMeter":
+        import time
+
+        release_freed()
+        self._base = torch.cuda.memory_allocated(self.device) if self._cuda else current_bytes()
+        reset_peak(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def __exit__(self, *exc) -> None:
+        import time
+
+        self.seconds = time.perf_counter() - self._t0
+        self.peak_bytes = peak_bytes(self.device) - self._base

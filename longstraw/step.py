@@ -6,7 +6,7 @@ import torch
 
 from .config import StepConfig
 from .engine.backward import grpo_backward
-from .memory import current_bytes, peak_bytes, release_freed, reset_peak
+from .memory import PeakMeter
 from .models import build_model, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -33,11 +33,9 @@ def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
     results, grads = [], {}
     for mode in cfg.modes:
         model.zero_grad(set_to_none=True)
-        release_freed()
-        base = current_bytes()
-        reset_peak()
-        stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress)
-        stats["peak_rss_bytes"] = peak_bytes() - base
+        with PeakMeter() as meter:
+            stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress)
+        stats["peak_rss_bytes"] = meter.peak_bytes
         grads[mode] = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
         results.append(stats)
     if "naive" in grads:

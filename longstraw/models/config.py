@@ -18,6 +18,14 @@ def fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+class _Fingerprinted:
+    """Family configs: a prefix state records `fingerprint` so it is never replayed on another architecture."""
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+
 @dataclass(frozen=True)
 class LayerStateSpec:
     """What one layer keeps of a prompt: elements per token (in the model dtype) and fixed elements."""
@@ -41,7 +49,7 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
-class DenseConfig:
+class DenseConfig(_Fingerprinted):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -59,10 +67,6 @@ class DenseConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self)
 
     def state_spec(self) -> list[LayerStateSpec]:
         kv = LayerStateSpec("attention K/V", per_token=2 * self.num_key_value_heads * self.head_dim)
@@ -113,7 +117,7 @@ def dense_config_from_hf(cfg: dict) -> DenseConfig:
 
 
 @dataclass(frozen=True)
-class Qwen35Config:
+class Qwen35Config(_Fingerprinted):
     """Qwen3.5 text model (`qwen3_5_text`, or the text part of a `qwen3_5` multimodal config)."""
 
     vocab_size: int
@@ -136,10 +140,6 @@ class Qwen35Config:
     attention_bias: bool = False
     model_type: str = "qwen3_5_text"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self)
 
     @property
     def rotary_dim(self) -> int:
@@ -196,7 +196,7 @@ def qwen3_5_config_from_hf(cfg: dict) -> Qwen35Config:
 
 
 @dataclass(frozen=True)
-class GlmMoeDsaConfig:
+class GlmMoeDsaConfig(_Fingerprinted):
     """GLM-5 (`glm_moe_dsa`): MLA + DSA indexer attention in every layer, MoE after `first_k_dense_replace`."""
 
     vocab_size: int
@@ -229,10 +229,6 @@ class GlmMoeDsaConfig:
     attention_bias: bool = False
     model_type: str = "glm_moe_dsa"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self)
 
     @property
     def softmax_scale(self) -> float:

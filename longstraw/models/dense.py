@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from .common.attention import Attention
 from .common.decoder import CausalLM, DecoderLayer
 from .common.mlp import SwiGLU
 from .common.norm import RMSNorm
-from .common.rope import Rotary
 from .config import DenseConfig
 
 
@@ -32,22 +29,9 @@ class DenseDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DenseModel(nn.Module):
-    def __init__(self, cfg: DenseConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DenseDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
-
-
 class DenseForCausalLM(CausalLM):
     def __init__(self, cfg: DenseConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = DenseModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(cfg, DenseDecoderLayer, RMSNorm, cfg.head_dim)
 
     def activation_bytes_per_token(self) -> int:
         """Estimated autograd-saved bytes per token of a forward (norms, projections, MLP intermediates);

@@ -6,14 +6,11 @@ stacked on load). The router weight, its correction bias and the indexer head we
 
 from __future__ import annotations
 
-from torch import nn
-
 from .common.decoder import CausalLM, DecoderLayer
 from .common.mla import MLAttention
 from .common.mlp import SwiGLU
 from .common.moe import MoE
 from .common.norm import RMSNorm
-from .common.rope import Rotary
 from .config import GlmMoeDsaConfig
 
 
@@ -39,25 +36,12 @@ class GlmDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GlmModel(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GlmDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
-
-
 class GlmMoeDsaForCausalLM(CausalLM):
     # kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules)
     fp32_suffixes = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 
     def __init__(self, cfg: GlmMoeDsaConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = GlmModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(cfg, GlmDecoderLayer, RMSNorm, cfg.qk_rope_head_dim)
 
     def activation_bytes_per_token(self) -> int:
         """Estimated autograd-saved bytes per token of a forward (MLA in latent space, routed + shared experts)."""

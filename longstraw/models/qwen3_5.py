@@ -5,14 +5,11 @@ Parameter names follow transformers' `Qwen3_5ForCausalLM` (the multimodal checkp
 
 from __future__ import annotations
 
-from torch import nn
-
 from .common.attention import Attention
 from .common.decoder import CausalLM, DecoderLayer
 from .common.deltanet import GatedDeltaNet
 from .common.mlp import SwiGLU
 from .common.norm import ZeroCenteredRMSNorm
-from .common.rope import Rotary
 from .config import Qwen35Config
 
 
@@ -49,23 +46,10 @@ class Qwen35DecoderLayer(DecoderLayer):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen35TextModel(nn.Module):
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen35DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # text-only mRoPE has equal positions on all three axes, i.e. plain 1-D RoPE on the rotary dims
-        self.rotary_emb = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
-
-
 class Qwen35ForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen35TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+        # text-only mRoPE has equal positions on all three axes, i.e. plain 1-D RoPE on the rotary dims
+        super().__init__(cfg, Qwen35DecoderLayer, ZeroCenteredRMSNorm, cfg.rotary_dim)
 
     def activation_bytes_per_token(self) -> int:
         """Estimated autograd-saved bytes per token of a forward, attention and linear layers averaged."""

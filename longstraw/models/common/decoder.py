@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ...state import LayerState, Segment
+from .rope import Rotary
 
 
 class DecoderLayer(nn.Module):
@@ -28,18 +29,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class TextModel(nn.Module):
+    """embed_tokens -> layers -> norm, with the rotary embedding shared by the layers (HF names and order)."""
+
+    def __init__(self, cfg, layer: type[DecoderLayer], norm: type[nn.Module], rotary_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = Rotary(cfg.rope, rotary_dim, cfg.max_position_embeddings)
+
+
 class CausalLM(nn.Module):
     """`forward(input_ids)` -> logits [B, T, V]. With a `Segment`, runs positions seg.start.. over a prefix state.
 
     `logits_from` limits the LM head to positions >= it (GRPO scores only responses); `logits_from=None`
     skips the head entirely (prompt capture only needs each layer's state).
-    Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb) and `self.lm_head`.
+    A family passes its layer class, final norm class and rotary dims.
     """
 
-    config: object
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+    def __init__(self, cfg, layer: type[DecoderLayer], norm: type[nn.Module], rotary_dim: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg, layer, norm, rotary_dim)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device) -> list[LayerState]:
