@@ -114,8 +114,12 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
         pairs = [encode(tok, make_task(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, cfg.prompt_tokens, tok))
                  for i in range(cfg.batch)]
         inputs, targets = _batch(pairs, tok.pad_id)
-        logits = model(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        # the LM head only where some row has an answer token (prompts are most of the sequence)
+        first = min(len(p) for p, _ in pairs) - 1
+        logits = model(inputs, logits_from=first)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), targets[:, first:].flatten(), ignore_index=-100
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -125,5 +129,6 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     model.eval()
     after = task_reward(model, tok, cfg.task, evals)
     path = save_checkpoint(model, cfg.out)
-    return {"task": cfg.task, "reward_before": before, "reward_after": after, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+    tail = losses[-20:]
+    return {"task": cfg.task, "reward_before": before, "reward_after": after, "final_loss": sum(tail) / len(tail),
             "steps": cfg.steps, "seconds": time.perf_counter() - t0, "checkpoint": str(path)}
