@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import ARCHS  # noqa: E402
-from worker import report, run_worker  # noqa: E402
+from worker import report, run_worker, tiny_model  # noqa: E402
 
 MIB = 2**20
 
@@ -27,10 +27,7 @@ def worker(p: dict) -> dict:
     import longstraw as ls
     from longstraw.memory import PeakMeter
 
-    torch.set_num_threads(p["threads"])
-    torch.manual_seed(0)
-    cfg = ARCHS[p["arch"]](p["P"] + p["tokens"] + 8)
-    model = ls.build_model(cfg)
+    model, cfg = tiny_model(p["arch"], p["P"] + p["tokens"] + 8, p["threads"])
     prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
     state = ls.capture(model, prompt)
     with PeakMeter() as m:

@@ -22,3 +22,16 @@ def run_worker(script: str, params: dict) -> dict | None:
         print(f"worker {params} failed:\n{out.stderr[-2000:]}", flush=True)
         return None
     return json.loads(line[len(TAG) :])
+
+
+def tiny_model(arch: str, max_positions: int, threads: int, **overrides):
+    """(model, its config dict) of a benchmark architecture, built with a fixed seed on `threads` threads."""
+    import torch
+
+    import longstraw as ls
+    from grpo_step import ARCHS
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = {**ARCHS[arch](max_positions), **overrides}
+    return ls.build_model(cfg), cfg

@@ -10,19 +10,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import longstraw as ls
+from tests.conftest import TINY
 
-HF_TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+HF_TINY = TINY  # the shared tiny shape, as transformers config kwargs
 
 
 def hf_model(seed: int = 0) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import longstraw as ls
-from tests.conftest import rel_err
+from tests.conftest import TINY, rel_err
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -22,18 +22,7 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
-HF_TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+HF_TINY = TINY  # the shared tiny shape, as transformers config kwargs
 
 
 def hf_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
