@@ -34,6 +34,16 @@ TINY_QWEN3_5 = dict(
 )
 
 
+# GLM-5 shape: MLA + DSA indexer (top-20, so prompts of a few dozen tokens run the sparse path) + MoE
+GLM = dict(
+    model_type="glm_moe_dsa", vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=12, index_topk=20, index_head_dim=16, index_n_heads=8, n_routed_experts=8,
+    n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=1024,
+    routed_scaling_factor=2.5,
+)
+
+
 def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     """A tiny config dict in transformers' config.json layout."""
     base = TINY_QWEN3_5 if model_type.startswith("qwen3_5") else TINY

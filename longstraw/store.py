@@ -1,0 +1,333 @@
+"""Prefix states in zarr v3 over fsspec: sharded along the token axis, checksummed, committed atomically.
+
+Layout at `url` (a local path or any fsspec URL, e.g. ``s3://bucket/run/step-3/state`` with `storage_options`):
+
+    zarr.json                            root group (zarr v3)
+    prompt_ids                           [P] int64, one chunk (always loaded whole)
+    layers/{i}/k, layers/{i}/v           attention: [kv_heads, N, head_dim]
+    layers/{i}/kv, layers/{i}/index_k    MLA latent [N, kv_lora_rank + rope_dim], DSA indexer key [N, index_head_dim]
+    layers/{i}/conv, layers/{i}/ssm      Gated DeltaNet: fixed size, one chunk each
+    manifest.json                        written last, the commit marker: a state without it does not exist
+
+Per-token arrays are chunked along the token axis by `shard_tokens`; each chunk file is a *shard*, written whole
+by one call and checksummed (sha256 of the bytes handed to storage) in the manifest, with the zarr metadata files.
+bf16 (and fp8) tensors are stored as their unsigned-integer view, with the torch dtype in the array's attribute
+`torch_dtype`; other dtypes natively. Chunks are zstd-compressed (zarr's default), which also makes the padding of
+the last, partial shard cost next to nothing. The exact mode's boundary states (`PrefixState.boundaries`) are
+transient and not stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+import numpy as np
+import torch
+import zarr
+from torch import nn
+from zarr.abc.store import Store
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
+
+from .state import AttentionState, LatentState, LayerState, PrefixState, RecurrentState
+
+FORMAT = "longstraw.prefix_state"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_UINT_VIEW = {torch.bfloat16: torch.uint16}
+_UINT_VIEW.update({getattr(torch, n): torch.uint8 for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)})
+_FIELDS = {"attention": ("k", "v"), "latent": ("kv", "index_k"), "recurrent": ("conv", "ssm")}
+_CLASSES = {"attention": AttentionState, "latent": LatentState, "recurrent": RecurrentState}
+
+
+def weights_version(model: nn.Module) -> str:
+    """Content hash of the model's weights: sha256 over each parameter's name, shape, dtype and bytes.
+
+    It reads every weight once (copying GPU parameters to the host one at a time): seconds for a large model, so
+    compute it once per weights update and pass the string around, not once per prompt.
+    """
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _kind(layer: LayerState) -> str:
+    return {AttentionState: "attention", LatentState: "latent", RecurrentState: "recurrent"}[type(layer)]
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return (t.view(_UINT_VIEW[t.dtype]) if t.dtype in _UINT_VIEW else t).numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return (t.view(dtype) if t.dtype != dtype else t).to(device)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r} in stored prefix state")
+    return dtype
+
+
+class _ChecksumStore(WrapperStore):
+    """Records the sha256 of every file written; on read, verifies the files the manifest lists before use."""
+
+    def __init__(self, store: Store, sums: dict[str, str], url: str, verify: bool = False) -> None:
+        super().__init__(store)
+        self.sums, self.url, self.verify = sums, url, verify
+
+    def _with_store(self, store: Store) -> _ChecksumStore:
+        return type(self)(store, self.sums, self.url, self.verify)
+
+    async def set(self, key, value) -> None:
+        self.sums[key] = hashlib.sha256(value.to_bytes()).hexdigest()
+        await self._store.set(key, value)
+
+    async def set_if_not_exists(self, key, value) -> None:
+        if not await self._store.exists(key):
+            await self.set(key, value)
+
+    async def _set_many(self, values: Iterable) -> None:
+        for key, value in values:
+            await self.set(key, value)
+
+    async def get(self, key, prototype, byte_range=None):
+        if not self.verify or key not in self.sums:
+            return await self._store.get(key, prototype, byte_range)
+        buf = await self._store.get(key, prototype)  # whole file: a checksum covers all of it
+        what = f"{'shard' if '/c/' in key else 'metadata file'} {key!r}"
+        if buf is None:
+            raise ValueError(f"prefix state at {self.url}: {what} is missing")
+        if hashlib.sha256(buf.to_bytes()).hexdigest() != self.sums[key]:
+            raise ValueError(f"prefix state at {self.url}: {what} is corrupted (sha256 differs from the manifest)")
+        return buf if byte_range is None else await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+
+def _zarr_store(url: str, storage_options: dict | None, read_only: bool) -> Store:
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if _is_local(fs):
+        return LocalStore(path, read_only=read_only)
+    return FsspecStore.from_url(url, storage_options=storage_options, read_only=read_only)
+
+
+def _is_local(fs) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _write_shard(array: zarr.Array, index: tuple, data: np.ndarray) -> None:
+    """Write one shard (one chunk file) whole. Every byte of array data goes through here, one shard per call."""
+    array[index] = data
+
+
+def _write_tensor(group: zarr.Group, name: str, t: torch.Tensor, shard_tokens: int | None) -> dict:
+    """One zarr array; per-token tensors (token axis -2) are written shard by shard (each copied to the host on its
+    own), fixed ones in one chunk."""
+    shape = tuple(t.shape)
+    chunks = shape if shard_tokens is None else (*shape[:-2], shard_tokens, shape[-1])
+    array = group.create_array(
+        name,
+        shape=shape,
+        chunks=tuple(max(1, c) for c in chunks),
+        dtype=_to_numpy(t.new_empty(0)).dtype,
+        fill_value=0,
+        attributes={"torch_dtype": _dtype_name(t.dtype)},
+        config={"write_empty_chunks": True},  # every shard exists: a missing file is an error, never zeros
+    )
+    if shard_tokens is None:
+        if t.numel():
+            _write_shard(array, (...,), _to_numpy(t))
+    else:
+        for s in range(0, shape[-2], shard_tokens):
+            index = (..., slice(s, s + shard_tokens), slice(None))
+            _write_shard(array, index, _to_numpy(t[index]))
+    return {"shape": list(shape), "dtype": _dtype_name(t.dtype)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_state(
+    state: PrefixState,
+    url: str,
+    *,
+    weights_version: str,
+    shard_tokens: int = 65536,
+    storage_options: dict | None = None,
+) -> dict:
+    """Store `state` at `url` and return its manifest.
+
+    Everything is written under a temporary sibling name (`{url}.tmp-*`), moved into place, and only then
+    `manifest.json` is written there as the commit marker. A writer that dies leaves nothing committed at `url`.
+    A state already committed there stays readable while the new one is written beside it; then it is moved
+    aside (`{url}.old-*`), the new one moved in and committed, and the old one deleted. A writer killed inside
+    that swap (two renames and one small write) leaves the previous state, committed, at `{url}.old-*`; one that
+    fails there with an exception puts it back. On object stores a "move" is copy-and-delete: still never a
+    committed partial state, but the swap takes longer. One writer per `url` at a time.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    url = url.rstrip("/")
+    tag = uuid.uuid4().hex[:12]
+    tmp_url = f"{url}.tmp-{tag}"
+    fs, final = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    tmp = fs._strip_protocol(tmp_url)
+    sums: dict[str, str] = {}
+    try:
+        store = _ChecksumStore(_zarr_store(tmp_url, storage_options, read_only=False), sums, url)
+        root = zarr.open_group(store, mode="w", zarr_format=3)
+        prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
+        layers = []
+        for i, layer in enumerate(state.layers):
+            kind = _kind(layer)
+            group = root.require_group("layers").require_group(str(i))
+            arrays = {}
+            for field in _FIELDS[kind]:
+                t = getattr(layer, field)
+                if t is not None:
+                    arrays[field] = _write_tensor(group, field, t, None if kind == "recurrent" else shard_tokens)
+            layers.append({"kind": kind, "arrays": arrays})
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model_fingerprint": state.model_fingerprint,
+            "weights_version": weights_version,
+            "shard_tokens": shard_tokens,
+            "length": state.length,
+            "prompt_ids": prompt,
+            "chunks": [list(c) for c in state.chunks],
+            "layers": layers,
+            "checksums": dict(sorted(sums.items())),
+        }
+        _commit(fs, tmp, final, tag, json.dumps(manifest, indent=1).encode())
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp, recursive=True)
+        raise
+    return manifest
+
+
+def _move(fs, src: str, dst: str) -> None:
+    if _is_local(fs):
+        os.rename(src, dst)  # atomic on one filesystem
+    else:
+        fs.mv(src, dst, recursive=True)
+
+
+def _commit(fs, tmp: str, final: str, tag: str, manifest: bytes) -> None:
+    """Swap the written data at `tmp` in at `final`, then commit it. A process killed between the two moves leaves
+    the previous state at `{final}.old-{tag}` (committed) and nothing committed at `final`; an exception undoes
+    the swap."""
+    old = f"{final}.old-{tag}"
+    had_old = fs.exists(final)
+    if had_old:
+        _move(fs, final, old)
+    try:
+        _move(fs, tmp, final)
+        _write_manifest(fs, final, tag, manifest)
+    except BaseException:
+        if fs.exists(final):
+            _move(fs, final, tmp)  # the caller removes it
+        if had_old:
+            _move(fs, old, final)
+        raise
+    if had_old:
+        fs.rm(old, recursive=True)
+
+
+def _write_manifest(fs, root: str, tag: str, manifest: bytes) -> None:
+    """The commit marker, written whole: readers never see a partial manifest."""
+    path = f"{root}/{MANIFEST}"
+    if _is_local(fs):
+        with open(f"{path}.{tag}", "wb") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{path}.{tag}", path)
+    else:
+        fs.pipe_file(path, manifest)  # object stores put whole objects
+
+
+def read_manifest(url: str, storage_options: dict | None = None) -> dict:
+    """The manifest of the committed state at `url`; ValueError if there is none (never committed, or killed)."""
+    url = url.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
+    except FileNotFoundError:
+        raise ValueError(f"no committed prefix state at {url} ({MANIFEST} missing)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"prefix state at {url}: unreadable {MANIFEST} ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"prefix state at {url} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+            f"this longstraw reads {FORMAT!r} version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def load_state(
+    url: str,
+    *,
+    model: nn.Module,
+    weights_version: str,
+    token_range: tuple[int, int] | None = None,
+    storage_options: dict | None = None,
+) -> PrefixState:
+    """Load the committed state at `url` for `model` (whose weights have `weights_version`), on the model's device.
+
+    Refuses (ValueError) a state of another architecture or other weights, and any shard whose checksum differs.
+    `token_range=(a, b)` reads only the shards holding positions [a, b) of the per-token tensors, which then hold
+    those positions (index 0 = position a); recurrent states (the state after the whole prompt), `prompt_ids` and
+    `chunks` are always the whole prompt's. Such a partial state is a sequence shard, not something to `score` on.
+    """
+    url = url.rstrip("/")
+    manifest = read_manifest(url, storage_options)
+    if manifest["model_fingerprint"] != model.config.fingerprint:
+        raise ValueError(
+            f"prefix state at {url} was captured with another model (architecture fingerprint "
+            f"{manifest['model_fingerprint']} != this model's {model.config.fingerprint})"
+        )
+    if manifest["weights_version"] != weights_version:
+        raise ValueError(
+            f"prefix state at {url} was captured with other weights (weights_version "
+            f"{manifest['weights_version']} != {weights_version})"
+        )
+    n = manifest["length"]
+    a, b = (0, n) if token_range is None else token_range
+    if not 0 <= a <= b <= n:
+        raise ValueError(f"token_range {token_range} is outside the stored state's [0, {n})")
+    store = _ChecksumStore(_zarr_store(url, storage_options, read_only=True), manifest["checksums"], url, verify=True)
+    root = zarr.open_group(store, mode="r", zarr_format=3)
+    device = next(model.parameters()).device
+
+    def read(name: str, spec: dict, index: tuple) -> torch.Tensor:
+        array = root[name]
+        dtype = _dtype(spec["dtype"])
+        if list(array.shape) != spec["shape"] or array.attrs.get("torch_dtype") != spec["dtype"]:
+            raise ValueError(f"prefix state at {url}: array {name} does not match the manifest")
+        return _to_torch(array[index], dtype, device)
+
+    prompt_ids = read("prompt_ids", manifest["prompt_ids"], (...,))
+    layers: list[LayerState] = []
+    for i, spec in enumerate(manifest["layers"]):
+        kind = spec["kind"]
+        index = (...,) if kind == "recurrent" else (..., slice(a, b), slice(None))
+        tensors = {f: read(f"layers/{i}/{f}", s, index) for f, s in spec["arrays"].items()}
+        layers.append(_CLASSES[kind](**tensors))
+    chunks = [tuple(c) for c in manifest["chunks"]]
+    return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"])
