@@ -8,7 +8,8 @@ import math
 import re
 from typing import Any, Callable, Sequence
 
-from .tasks import TASKS, first_number, need
+from .tasks import TASKS
+from .tasks.base import first_number, need
 
 log = logging.getLogger("longstraw")
 

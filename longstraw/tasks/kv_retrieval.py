@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..tokenizer import Tokenizer
-from . import Task, TaskExample, document_prompt, first_number, fit_length, need
+from .base import Task, TaskExample, document_prompt, first_number, fit_length, need
 
 NAME = "kv-retrieval"
 _HEX = "0123456789abcdef"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..tokenizer import Tokenizer
-from . import WORDS, FillerStream, Task, TaskExample, document_prompt, first_word, fit_length, need
+from .base import WORDS, FillerStream, Task, TaskExample, document_prompt, first_word, fit_length, need
 
 NAME = "multi-hop"
 _ONSETS = "b d f g h k l m n p r s t v z br dr gr kr pr st tr th sh".split()

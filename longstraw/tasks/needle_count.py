@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..tokenizer import Tokenizer
-from . import FillerStream, Task, TaskExample, document_prompt, first_number, fit_length, need
+from .base import FillerStream, Task, TaskExample, document_prompt, first_number, fit_length, need
 
 NAME = "needle-count"
 # each holds a word that is not a filler word, so filler can never form a needle by accident
