@@ -7,6 +7,12 @@ import json
 import sys
 
 
+def _write_json(path: str | None, obj) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2)
+
+
 def _step(args: argparse.Namespace) -> int:
     from .config import StepConfig, load_config
     from .step import format_table, run_step
@@ -21,9 +27,7 @@ def _step(args: argparse.Namespace) -> int:
     )
     results = run_step(cfg, progress=not args.no_progress)
     print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _write_json(args.json, results)
     return 0
 
 
@@ -33,9 +37,7 @@ def _state_size(args: argparse.Namespace) -> int:
 
     report = state_size(read_config(args.config), args.tokens, args.dtype, args.chunk)
     print(format_state_size(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    _write_json(args.json, report)
     return 0
 
 
@@ -50,9 +52,7 @@ def _sft(args: argparse.Namespace) -> int:
     r = run_sft(cfg, progress=not args.no_progress)
     print(f"reward before {r['reward_before']:.3f} -> after {r['reward_after']:.3f} (final loss {r['final_loss']:.3f}, "
           f"{r['seconds']:.0f} s); checkpoint: {r['checkpoint']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    _write_json(args.json, r)
     return 0
 
 
