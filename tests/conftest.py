@@ -59,6 +59,17 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in model.parameters()])
 
 
+def assert_same_parameters(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """Same parameter names, shapes and order as the transformers model, and the same values."""
+    got = [(n, tuple(p.shape)) for n, p in ours.named_parameters()]
+    want = [(n, tuple(p.shape)) for n, p in theirs.named_parameters()]
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    assert got == want  # same order too, so optimizer state saved by position carries over
+    named = dict(theirs.named_parameters())
+    for n, p in ours.named_parameters():
+        assert torch.equal(p.detach().float(), named[n].detach().float()), n
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 

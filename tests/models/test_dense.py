@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import longstraw as ls
-from tests.conftest import TINY, rel_err
+from tests.conftest import TINY, assert_same_parameters, rel_err
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -64,19 +64,6 @@ def our_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
-
-
-def assert_same_parameters(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
-    got = {n: tuple(p.shape) for n, p in ours.named_parameters()}
-    want = {n: tuple(p.shape) for n, p in theirs.named_parameters()}
-    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))
-    assert got == want
-    # same order too, so optimizer state saved by position carries over
-    assert list(got) == list(want)
-    # and the values are the checkpoint's
-    theirs_params = dict(theirs.named_parameters())
-    for n, p in ours.named_parameters():
-        assert torch.equal(p.detach().float(), theirs_params[n].detach().float()), n
 
 
 def check_parity(hf, path, seq: int = 37, tol: float = 1e-4) -> torch.nn.Module:

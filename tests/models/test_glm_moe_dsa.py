@@ -22,7 +22,7 @@ import longstraw as ls
 import longstraw.models.common.mla as mla_module
 from longstraw.state import LatentState, Segment
 from longstraw.state_size import state_size
-from tests.conftest import flat_grad, rel_err
+from tests.conftest import assert_same_parameters, flat_grad, rel_err
 
 HF_TINY = dict(
     vocab_size=101,
@@ -194,14 +194,8 @@ def test_layout_and_parameters_match_transformers(checkpoints):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "glm_moe_dsa"
     assert cfg["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"]
-    got = [(n, tuple(p.shape)) for n, p in ours.named_parameters()]
-    want = [(n, tuple(p.shape)) for n, p in hf.named_parameters()]
-    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
-    assert got == want  # same order too
-    theirs = dict(hf.named_parameters())
-    for n, p in ours.named_parameters():
-        assert p.dtype == torch.float32
-        assert torch.equal(p.detach(), theirs[n].detach()), n
+    assert_same_parameters(ours, hf)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
     # the router's correction bias is a buffer (not a parameter) and is loaded too
     hf_bias = {n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     our_bias = {n: b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")}
@@ -211,7 +205,9 @@ def test_layout_and_parameters_match_transformers(checkpoints):
         assert torch.equal(our_bias[n], b), n
     # build_model from the same config.json gives the same architecture
     built = ls.build_model(cfg)
-    assert [(n, tuple(p.shape)) for n, p in built.named_parameters()] == want
+    assert [(n, tuple(p.shape)) for n, p in built.named_parameters()] == [
+        (n, tuple(p.shape)) for n, p in hf.named_parameters()
+    ]
     assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["SwiGLU", "MoE", "MoE", "MoE"]
 
 

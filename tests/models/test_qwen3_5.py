@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import longstraw as ls
 from longstraw.state import AttentionState, RecurrentState
-from tests.conftest import rel_err
+from tests.conftest import assert_same_parameters, rel_err
 
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
@@ -137,14 +137,8 @@ def test_layer_types_and_checkpoint_layout(hf_and_ours):
 
 def test_parameters_match_transformers(hf_and_ours):
     hf, ours, _ = hf_and_ours
-    got = [(n, tuple(p.shape)) for n, p in ours.named_parameters()]
-    want = [(n, tuple(p.shape)) for n, p in hf.named_parameters()]
-    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
-    assert got == want  # same order too
-    theirs = dict(hf.named_parameters())
-    for n, p in ours.named_parameters():
-        assert p.dtype == torch.float32
-        assert torch.equal(p.detach(), theirs[n].detach()), n
+    assert_same_parameters(ours, hf)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
 
 
 def test_full_pass_logits(hf_and_ours):
