@@ -60,44 +60,21 @@ def grpo_backward(
     weights = token_weights([r.numel() for r in resp], cfg)
 
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
-
-    def backward_batch(idx: list[int], logps: list[torch.Tensor]) -> None:
-        loss = 0.0
-        for i, lp in zip(idx, logps):
-            li, st = branch_loss(
-                lp, float(adv[i]), weights[i], cfg, None if old is None else old[i], None if ref is None else ref[i]
-            )
-            loss = loss + li
-            for key, val in st.items():
-                totals[key] += val
-        loss.backward()
-
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0
-    bar = dict(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False)
     if mode == "naive":
-        device = next(model.parameters()).device
-        for i, r in enumerate(tqdm(resp, **bar)):
-            logits = model(torch.cat([prompt, r[:-1]]).to(device)[None], logits_from=prompt.numel() - 1)
-            backward_batch([i], [token_logprobs(logits[0], r.to(device))])
+        naive_backward(model, prompt, resp, adv, weights, cfg, old, ref, totals, progress)
     else:
         exact = mode == "exact"
         if exact:
             state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress)
             grad_bytes = sum(g.nbytes for g in grad.values()) + state.boundary_nbytes
-            # recurrent states enter the branches as autograd leaves (views): their .grad sums over branches
-            branch_prefix = [s.leaf() if isinstance(s, RecurrentState) else s for s in state.layers]
         else:
             state = capture(model, prompt, cfg.prompt_chunk, progress=progress)
-            grad, kept, branch_prefix = None, {}, None
+            grad, kept = None, {}
         state_bytes = state.nbytes
-        with tqdm(**bar) as pbar:
-            for b in range(0, len(resp), cfg.branch_batch):
-                idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
-                backward_batch(idx, replay_logprobs(model, state, [resp[i] for i in idx], grad, branch_prefix))
-                pbar.update(len(idx))
+        d_final = replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode)
         if exact:
-            d_final = {i: s.grads() for i, s in enumerate(branch_prefix) if isinstance(s, RecurrentState)}
             grad_bytes += sum(d.nbytes for d in d_final.values())
             prompt_backward(model, state, grad, d_final, kept, progress)
 
@@ -113,6 +90,69 @@ def grpo_backward(
         "peak_state_bytes": state_bytes + grad_bytes,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _loss_backward(
+    idx: list[int], logps: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float], cfg: GRPOConfig,
+    old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, totals: dict[str, float],
+) -> None:
+    loss = 0.0
+    for i, lp in zip(idx, logps):
+        li, st = branch_loss(lp, float(adv[i]), weights[i], cfg, None if old is None else old[i], None if ref is None else ref[i])
+        loss = loss + li
+        for key, val in st.items():
+            totals[key] += val
+    loss.backward()
+
+
+def naive_backward(
+    model: nn.Module, prompt: torch.Tensor, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
+    cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, totals: dict[str, float],
+    progress: bool = False,
+) -> None:
+    """Every branch forwards prompt + response with autograd (the reference)."""
+    device = next(model.parameters()).device
+    for i, r in enumerate(tqdm(resp, desc="naive branches", unit="branch", disable=not progress, leave=False)):
+        logits = model(torch.cat([prompt, r[:-1]]).to(device)[None], logits_from=prompt.numel() - 1)
+        _loss_backward([i], [token_logprobs(logits[0], r.to(device))], adv, weights, cfg, old, ref, totals)
+
+
+def replay_backward(
+    model: nn.Module, state: PrefixState, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
+    cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
+    grad: dict[int, PerTokenState] | None, totals: dict[str, float], progress: bool = False, mode: str = "exact",
+) -> dict[int, RecurrentState]:
+    """Replay the branches on `state` with autograd and back-propagate their GRPO loss into the parameters.
+
+    With a `grad` buffer (exact mode) dLoss/dK,V of the prefix is added into it and the returned dict holds
+    dLoss/d(final recurrent state) per recurrent layer, both summed over these branches; without (detached mode)
+    the prefix gets no gradient and the dict is empty. Only the given branches run: `weights` and `adv` are the
+    whole group's, so a group may be split over several calls (or workers) whose results add up.
+    """
+    # recurrent states enter the branches as autograd leaves (views): their .grad sums over branches
+    prefix = None if grad is None else [s.leaf() if isinstance(s, RecurrentState) else s for s in state.layers]
+    with tqdm(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as pbar:
+        for b in range(0, len(resp), cfg.branch_batch):
+            idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
+            logps = replay_logprobs(model, state, [resp[i] for i in idx], grad, prefix)
+            _loss_backward(idx, logps, adv, weights, cfg, old, ref, totals)
+            pbar.update(len(idx))
+    if prefix is None:
+        return {}
+    return {i: s.grads() for i, s in enumerate(prefix) if isinstance(s, RecurrentState)}
+
+
+def stored_prompt_backward(
+    model: nn.Module, state: PrefixState, grad: dict[int, PerTokenState], d_final: dict[int, RecurrentState],
+    progress: bool = False,
+) -> None:
+    """`prompt_backward` for a state captured elsewhere (e.g. loaded from the store): every chunk is recomputed,
+    and recurrent boundary states are regenerated from the prompt's zero starting state."""
+    if 0 not in state.boundaries:
+        p = next(model.parameters())
+        zero = model.empty_state(0, p.dtype, p.device)  # recurrent layers start from zeros
+        state.boundaries[0] = {i: s for i, s in enumerate(zero) if isinstance(s, RecurrentState)}
+    prompt_backward(model, state, grad, d_final, {}, progress)
 
 
 def kept_chunk_count(model: nn.Module, chunks: list[tuple[int, int]], budget: int) -> int:

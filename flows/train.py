@@ -1,0 +1,159 @@
+"""`grpo_train`: the GRPO training flow. Each step is a subflow chaining the stage tasks of `tasks/stages.py`.
+
+The flow holds no tensors: stages exchange paths/URLs with sha256s. It starts from the run directory's latest
+checkpoint, so running it again on the same config (or `longstraw resume`) continues a failed run; stages that
+completed before the failure are taken from the cache, not recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+from tqdm.auto import tqdm
+
+from longstraw.train.artifacts import load_json, save_json
+from longstraw.train.config import TrainConfig
+from tasks import tracking
+from tasks.stages import configured
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _run_all(name: str, cfg: TrainConfig, parent: str | None, calls: list[dict]) -> list[dict]:
+    """Submit one task per argument dict (they run concurrently), then wait for all, in order."""
+    t = configured(name, cfg)
+    futures = [t.submit(cfg.model_dump(mode="json"), args, parent) for args in calls]
+    return [f.result() for f in futures]
+
+
+def _slices(n: int, size: int) -> list[list[int]]:
+    return [list(range(b, min(b + size, n))) for b in range(0, n, size)]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+@flow(name="grpo-step", flow_run_name="step-{step}")
+def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | None = None) -> dict:
+    """One GRPO step: capture -> rollout -> (reference) -> reward -> replay (per branch) -> (prompt backward)
+    -> optimizer step + checkpoint, once per epoch."""
+    cfg = TrainConfig.model_validate(config)
+    t0 = time.perf_counter()
+    groups = range(cfg.groups)
+    parent = parent_run_id
+    update = step * cfg.epochs
+    caps = _run_all("capture_stage", cfg, parent, [
+        dict(checkpoint=checkpoint, step=step, group=g, epoch=0) for g in groups])
+    rolls = _run_all("rollout_stage", cfg, parent, [
+        dict(checkpoint=checkpoint, state_url=caps[g]["url"], step=step, group=g) for g in groups])
+    refs: list[dict | None] = [None] * cfg.groups
+    if cfg.grpo.kl_coef > 0:
+        ref_ckpt = str(cfg.paths().checkpoint(0))
+        refs = _run_all("reference_stage", cfg, parent, [
+            dict(ref_checkpoint=ref_ckpt, rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
+    rews = _run_all("reward_stage", cfg, parent, [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
+
+    replays: list[dict] = []
+    opt: dict = {}
+    for epoch in range(cfg.epochs):
+        if epoch > 0:  # the weights changed: the prefix state must be recaptured with them
+            caps = _run_all("capture_stage", cfg, parent, [
+                dict(checkpoint=checkpoint, step=step, group=g, epoch=epoch) for g in groups])
+        calls = [dict(checkpoint=checkpoint, state_url=caps[g]["url"], rollout_ref=_ref(rolls[g]),
+                      reward_ref=_ref(rews[g]), reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch,
+                      branches=b)
+                 for g in groups for b in _slices(cfg.responses, cfg.pipeline.branches_per_task)]
+        replays = _run_all("replay_stage", cfg, parent, calls)
+        grads = [_ref(r) for r in replays]
+        if cfg.mode == "exact":
+            per_group = [[_ref(r) for r, c in zip(replays, calls) if c["group"] == g] for g in groups]
+            prompts = _run_all("prompt_stage", cfg, parent, [
+                dict(checkpoint=checkpoint, state_url=caps[g]["url"], replay_refs=per_group[g], step=step, group=g,
+                     epoch=epoch) for g in groups])
+            grads += [_ref(p) for p in prompts]
+        (opt,) = _run_all("optimizer_stage", cfg, parent, [
+            dict(checkpoint=checkpoint, grad_refs=grads, update=update + epoch, step=step)])
+        checkpoint = opt["checkpoint"]
+
+    tokens = sum(r["tokens"] for r in replays)
+    seconds = time.perf_counter() - t0
+    metrics = {
+        "reward_mean": _mean([r["reward_mean"] for r in rews]),
+        "reward_std": _mean([r["reward_std"] for r in rews]),
+        "accuracy": _mean([r["accuracy"] for r in rews]),
+        "reward_failures": sum(r["reward_failures"] for r in rews),
+        "loss": sum(r["loss"] for r in replays) / cfg.groups,
+        "kl": sum(r["kl_sum"] for r in replays) / max(tokens, 1),
+        "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(tokens, 1),
+        "grad_norm": opt["grad_norm"],
+        "lr": opt["lr"],
+        "response_len": _mean([r["response_len_mean"] for r in rolls]),
+        "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),
+        "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays]),
+        "step_seconds": seconds,
+        "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + tokens) / seconds,
+    }
+    for name, outs in (("capture", caps), ("rollout", rolls), ("reward", rews), ("replay", replays)):
+        metrics[f"{name}_seconds"] = sum(o["seconds"] for o in outs)
+    metrics["optimizer_seconds"] = opt["seconds"]
+    if cfg.mode == "exact":
+        metrics["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
+    return {"step": step, "checkpoint": checkpoint, "metrics": metrics}
+
+
+def _ref(out: dict | None) -> dict | None:
+    return None if out is None else {"path": out["path"], "sha256": out["sha256"]}
+
+
+def _history(cfg: TrainConfig) -> tuple[Path, list[dict]]:
+    path = Path(cfg.run_dir) / "history.json"
+    return path, (load_json(path) if path.is_file() else [])
+
+
+@flow(name="grpo-train", log_prints=True)
+def grpo_train(config: dict, progress: bool = True) -> dict:
+    """Train with GRPO for `config.steps` steps (a TrainConfig as a dict), continuing from the run directory's
+    latest checkpoint. Returns the final checkpoint and the per-step metrics."""
+    cfg = TrainConfig.model_validate(config)
+    logger = get_run_logger()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
+    init = configured("init_run", cfg)(cfg.model_dump(mode="json"), {})
+    start = init["update"] // cfg.epochs
+    checkpoint = str(cfg.paths().checkpoint(start * cfg.epochs))
+    parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {
+        "prefect.flow_run_id": str(flow_run.get_id()), "run_dir": str(run_dir.resolve()), "resumed_from_step": str(start)})
+    logger.info("run dir %s, MLflow %s (parent run %s), state store %s; starting at step %d of %d",
+                run_dir.resolve(), tracking.tracking_uri(cfg), parent, cfg.paths().states_url(cfg), start, cfg.steps)
+    history_path, history = _history(cfg)
+    history = [h for h in history if h["step"] < start]
+    step_flow = grpo_step.with_options(task_runner=ThreadPoolTaskRunner(max_workers=cfg.pipeline.replay_concurrency))
+    status = "FAILED"
+    try:
+        for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
+                         initial=start, total=cfg.steps):
+            res = step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
+            checkpoint = res["checkpoint"]
+            tracking.log_metrics(cfg, parent, res["metrics"], step)
+            history.append({"step": step, **res["metrics"]})
+            save_json(history_path, history)
+            m = res["metrics"]
+            logger.info("step %d: reward %.3f (accuracy %.3f), loss %.4f, grad norm %.3f, %.1f s", step,
+                        m["reward_mean"], m["accuracy"], m["loss"], m["grad_norm"], m["step_seconds"])
+        status = "FINISHED"
+    finally:
+        if history:
+            png = tracking.reward_curve_png(history, run_dir / "reward_curve.png")
+            tracking.log_artifact(cfg, parent, png)
+        tracking.log_artifact(cfg, parent, run_dir / "config.json")
+        tracking.end_run(cfg, parent, status)
+    return {"checkpoint": checkpoint, "history": history, "run_dir": str(run_dir), "mlflow_run_id": parent}
+
+

@@ -1,0 +1,39 @@
+"""The prompts of a training step: from a built-in task (generated from the seed) or a JSONL dataset (streamed)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from ..data import iter_jsonl
+from ..tasks import TaskExample, make_task
+from ..tokenizer import Tokenizer
+from .config import TrainConfig
+
+
+def example_seed(seed: int, step: int, group: int) -> int:
+    """A stable 63-bit seed per (run seed, step, group), independent of Python's hash randomisation."""
+    digest = hashlib.sha256(f"{seed}/{step}/{group}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _dataset_example(path: str, index: int) -> TaskExample:
+    """Example `index` of the JSONL file, wrapping around at the end (one streaming pass, two if it wraps)."""
+    count = 0
+    for i, ex in enumerate(iter_jsonl(path)):
+        if i == index:
+            return ex
+        count = i + 1
+    if count == 0:
+        raise ValueError(f"dataset {path} has no examples")
+    return _dataset_example(path, index % count)
+
+
+def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> TaskExample:
+    if cfg.dataset is not None:
+        return _dataset_example(cfg.dataset, step * cfg.groups + group)
+    return make_task(cfg.task, example_seed(cfg.seed, step, group), cfg.prompt_tokens, tok, **cfg.task_options)
+
+
+def prompt_ids(tok: Tokenizer, ex: TaskExample) -> list[int]:
+    """The prompt as the model sees it: a user turn in the tokenizer's chat format, ready for the answer."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": ex.prompt}]))

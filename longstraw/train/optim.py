@@ -1,0 +1,47 @@
+"""The optimizer step, behind one function so that a distributed engine (DeepSpeed, FSDP) can take its place."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lr_at(update: int, total: int, cfg: OptimConfig) -> float:
+    """Learning rate of update number `update` (0-based) of `total`: linear warm-up, then the decay schedule."""
+    if update < cfg.warmup_updates:
+        return cfg.lr * (update + 1) / cfg.warmup_updates
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total - cfg.warmup_updates, 1)
+    t = min((update - cfg.warmup_updates) / span, 1.0)
+    shape = 1.0 - t if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape)
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, cfg: OptimConfig, update: int, total: int
+) -> dict[str, float]:
+    """Clip the global grad norm, set this update's lr, step, clear the gradients. Returns grad_norm and lr."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if len(missing) == len(params):
+        raise RuntimeError("optimizer_step: no parameter has a gradient; run the replay/backward stages first")
+    max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"gradient norm is {norm}; refusing the update (lower optim.lr or check the data)")
+    lr = lr_at(update, total, cfg)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": norm, "lr": lr}

@@ -1,0 +1,256 @@
+"""The stages of a GRPO step as plain functions: inputs are paths, URLs and small numbers; outputs are small
+JSON-able dicts naming what was written (with its sha256) and the stage's metrics. The Prefect tasks in `tasks/`
+wrap these one to one; anything else (a script, another orchestrator) can call them the same way.
+
+One step, for each group g (one prompt) and each epoch e:
+  capture(g, e) -> rollout(g) [e = 0 only] -> reference(g) [kl_coef > 0] -> reward(g)
+  -> replay(g, e, branches) for each branch slice -> prompt_backward(g, e) [exact mode] -> optimizer(e) -> checkpoint
+The prompt runs once per step for the policy: the rollout samples from the captured (stored) state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
+from ..engine.capture import capture
+from ..engine.replay import score
+from ..grpo import group_advantages, token_weights
+from ..memory import PeakMeter
+from ..models import build_model, load_model
+from ..rewards import compute_rewards, get_reward
+from ..rollout import rollout
+from ..state import RecurrentState
+from ..store import load_state, save_state, weights_version
+from ..tokenizer import check_vocab, load_tokenizer
+from .artifacts import load_json, load_tensors, save_json, save_tensors
+from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
+from .config import TrainConfig
+from .data import example_seed, prompt_ids, step_example
+from .optim import build_optimizer, optimizer_step
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _setup(cfg: TrainConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+
+def _policy(cfg: TrainConfig, checkpoint: str) -> tuple[nn.Module, str]:
+    """The model of a verified checkpoint, in eval mode, and its weights version."""
+    meta = read_trainer(checkpoint)
+    model = load_model(checkpoint, dtype=DTYPES[cfg.dtype]).eval()
+    return model, meta["weights_version"]
+
+
+def _prompt(cfg: TrainConfig, step: int, group: int, vocab: int) -> torch.Tensor:
+    tok = load_tokenizer(cfg.tokenizer)
+    ids = prompt_ids(tok, step_example(cfg, tok, step, group))
+    check_vocab(ids, vocab, f"prompt of step {step} group {group}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _ref(path: str, sha: str) -> dict:
+    return {"path": path, "sha256": sha}
+
+
+# ---- run set-up ---------------------------------------------------------------------------------------------
+
+def init_run(cfg: TrainConfig) -> dict:
+    """The checkpoint to continue from: the run's latest, or update 0 made from the configured model."""
+    _setup(cfg)
+    paths = cfg.paths()
+    latest = latest_checkpoint(paths.checkpoints)
+    if latest is None:
+        torch.manual_seed(cfg.seed)
+        dtype = DTYPES[cfg.dtype]
+        model = load_model(cfg.model.path, dtype=dtype) if cfg.model.path else build_model(cfg.model.random, dtype)
+        tok = load_tokenizer(cfg.tokenizer)
+        check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+        latest = save_checkpoint(paths.checkpoint(0), model, build_optimizer(model, cfg.optim), update=0, step=0,
+                                 extra={"weights_version": weights_version(model)})
+    meta = read_trainer(latest)
+    return {"checkpoint": str(latest), "update": meta["update"], "weights_version": meta["weights_version"]}
+
+
+# ---- stages -------------------------------------------------------------------------------------------------
+
+def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoch: int) -> dict:
+    """Capture the group's prompt with the checkpoint's weights and commit its prefix state to the store."""
+    _setup(cfg)
+    model, version = _policy(cfg, checkpoint)
+    prompt = _prompt(cfg, step, group, model.config.vocab_size)
+    url = f"{cfg.paths().states_url(cfg)}/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
+    with PeakMeter() as m:
+        state = capture(model, prompt, cfg.grpo.prompt_chunk)
+        save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
+                   storage_options=cfg.store.storage_options)
+    return {"url": url, "weights_version": version, "prompt_tokens": prompt.numel(), "state_bytes": state.nbytes,
+            "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
+
+
+def _load_state(cfg: TrainConfig, model: nn.Module, version: str, url: str):
+    return load_state(url, model=model, weights_version=version, storage_options=cfg.store.storage_options)
+
+
+def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, group: int) -> dict:
+    """Sample G answers from the stored prefix state (shared by all branches) and store them."""
+    _setup(cfg)
+    model, version = _policy(cfg, checkpoint)
+    tok = load_tokenizer(cfg.tokenizer)
+    with PeakMeter() as m:
+        state = _load_state(cfg, model, version, state_url)
+        samples = rollout(model, state, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
+                          temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
+                          seed=example_seed(cfg.seed, step, group))
+    tensors = {f"tokens.{i}": s.tokens for i, s in enumerate(samples)}
+    tensors |= {f"logprobs.{i}": s.logprobs for i, s in enumerate(samples)}
+    lengths = [s.tokens.numel() for s in samples]
+    meta = {"finish_reasons": [s.finish_reason for s in samples], "texts": [tok.decode(s.tokens.tolist()) for s in samples]}
+    path = str(cfg.paths().step(step) / f"rollout-g{group:03d}.safetensors")
+    sha = save_tensors(path, tensors, meta)
+    return {**_ref(path, sha), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
+            "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
+
+
+def load_rollout(ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
+    t = load_tensors(ref["path"], ref["sha256"])
+    with safe_open(ref["path"], "pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+    n = len(meta["texts"])
+    return [t[f"tokens.{i}"] for i in range(n)], [t[f"logprobs.{i}"] for i in range(n)], meta
+
+
+def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, step: int, group: int) -> dict:
+    """Log-probs of the sampled answers under the frozen initial weights (for the KL term)."""
+    _setup(cfg)
+    model, _ = _policy(cfg, ref_checkpoint)
+    prompt = _prompt(cfg, step, group, model.config.vocab_size)
+    responses, _, _ = load_rollout(rollout_ref)
+    with PeakMeter() as m:
+        state = capture(model, prompt, cfg.grpo.prompt_chunk)
+        logps = score(model, state, responses, cfg.grpo.branch_batch)
+    path = str(cfg.paths().step(step) / f"reference-g{group:03d}.safetensors")
+    sha = save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)})
+    return {**_ref(path, sha), "peak_bytes": m.peak_bytes, "seconds": m.seconds}
+
+
+def reward_stage(cfg: TrainConfig, rollout_ref: dict, step: int, group: int) -> dict:
+    """Score the answers with the reward function and turn them into group advantages."""
+    t0 = time.perf_counter()
+    ex = step_example(cfg, load_tokenizer(cfg.tokenizer), step, group)
+    prompt_meta = ex.meta | {"answer": ex.answer}
+    _, _, meta = load_rollout(rollout_ref)
+    fn = get_reward(cfg.reward or cfg.task)
+    rewards, failed = compute_rewards(fn, [prompt_meta] * len(meta["texts"]), meta["texts"])
+    adv = group_advantages(rewards, scale=cfg.scale_advantages).tolist()
+    record = {"rewards": rewards, "advantages": adv, "failed": failed, "texts": meta["texts"]}
+    path = str(cfg.paths().step(step) / f"rewards-g{group:03d}.json")
+    sha = save_json(path, record)
+    n = len(rewards)
+    mean = sum(rewards) / n
+    return {**_ref(path, sha), "reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            "accuracy": sum(r >= 1.0 for r in rewards) / n, "reward_failures": failed,
+            "seconds": time.perf_counter() - t0}
+
+
+def _grad_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"param.{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def replay_stage(
+    cfg: TrainConfig, checkpoint: str, state_url: str | None, rollout_ref: dict, reward_ref: dict,
+    reference_ref: dict | None, step: int, group: int, epoch: int, branches: list[int],
+) -> dict:
+    """Replay some branches of a group with autograd; store their parameter gradients and, in exact mode, their
+    gradient of the prefix state (summed over these branches)."""
+    _setup(cfg)
+    model, version = _policy(cfg, checkpoint)
+    responses, sample_logps, _ = load_rollout(rollout_ref)
+    record = load_json(reward_ref["path"], reward_ref["sha256"])
+    weights_all = token_weights([r.numel() for r in responses], cfg.grpo)
+    pick = lambda xs: [xs[i] for i in branches]  # noqa: E731
+    resp, weights = pick(responses), pick(weights_all)
+    adv = torch.tensor(pick(record["advantages"]), dtype=torch.float64)
+    old = pick(sample_logps) if cfg.epochs > 1 else None  # several epochs: ratios against the sampling policy
+    ref = None
+    if reference_ref is not None:
+        t = load_tensors(reference_ref["path"], reference_ref["sha256"])
+        ref = [t[f"logprobs.{i}"] for i in branches]
+    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+    tensors: dict[str, torch.Tensor] = {}
+    model.zero_grad(set_to_none=True)
+    with PeakMeter() as m:
+        if cfg.mode == "naive":
+            prompt = _prompt(cfg, step, group, model.config.vocab_size)
+            naive_backward(model, prompt, resp, adv, weights, cfg.grpo, old, ref, totals)
+        else:
+            state = _load_state(cfg, model, version, state_url)
+            grad = state.grad_buffer() if cfg.mode == "exact" else None
+            d_final = replay_backward(model, state, resp, adv, weights, cfg.grpo, old, ref, grad, totals, mode=cfg.mode)
+            for i, g in (grad or {}).items():
+                tensors |= {f"state.{i}.{j}": t for j, t in enumerate(g.tensors())}
+            for i, d in d_final.items():
+                tensors |= {f"final.{i}.conv": d.conv, f"final.{i}.ssm": d.ssm}
+    tensors |= _grad_tensors(model)
+    tokens = sum(r.numel() for r in resp)
+    path = str(cfg.paths().step(step) / f"replay-g{group:03d}-e{epoch:02d}-b{branches[0]:04d}.safetensors")
+    sha = save_tensors(path, tensors)
+    return {**_ref(path, sha), "branches": branches, "loss": totals["loss"], "clipped_tokens": totals["clipped_tokens"],
+            "kl_sum": totals["kl_sum"], "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
+            "tokens_per_s": tokens / max(m.seconds, 1e-9)}
+
+
+def prompt_stage(cfg: TrainConfig, checkpoint: str, state_url: str, replay_refs: list[dict], step: int, group: int,
+                 epoch: int) -> dict:
+    """Exact mode: sum the branches' prefix-state gradients and back-propagate them through the prompt."""
+    _setup(cfg)
+    model, version = _policy(cfg, checkpoint)
+    model.zero_grad(set_to_none=True)
+    with PeakMeter() as m:
+        state = _load_state(cfg, model, version, state_url)
+        grad = state.grad_buffer()
+        d_final: dict[int, RecurrentState] = {}
+        for r in replay_refs:  # in branch order, so every run sums the same way
+            t = load_tensors(r["path"], r["sha256"])
+            for i, g in grad.items():
+                for j, buf in enumerate(g.tensors()):
+                    buf += t[f"state.{i}.{j}"].to(buf)
+            for key in [k for k in t if k.startswith("final.") and k.endswith(".conv")]:
+                i = int(key.split(".")[1])
+                conv, ssm = t[key], t[f"final.{i}.ssm"]
+                d_final[i] = RecurrentState(conv, ssm) if i not in d_final else RecurrentState(
+                    d_final[i].conv + conv, d_final[i].ssm + ssm)
+        stored_prompt_backward(model, state, grad, d_final)
+    path = str(cfg.paths().step(step) / f"prompt-g{group:03d}-e{epoch:02d}.safetensors")
+    sha = save_tensors(path, _grad_tensors(model))
+    return {**_ref(path, sha), "peak_bytes": m.peak_bytes, "seconds": m.seconds,
+            "tokens_per_s": state.length / max(m.seconds, 1e-9)}
+
+
+def optimizer_stage(cfg: TrainConfig, checkpoint: str, grad_refs: list[dict], update: int, step: int) -> dict:
+    """Sum the stored gradients (fixed order), clip, AdamW step, and commit the next checkpoint."""
+    _setup(cfg)
+    t0 = time.perf_counter()
+    factory = lambda model: build_optimizer(model, cfg.optim)  # noqa: E731
+    model, optimizer, _ = load_checkpoint(checkpoint, factory, DTYPES[cfg.dtype])
+    params = dict(model.named_parameters())
+    for r in grad_refs:
+        for key, g in load_tensors(r["path"], r["sha256"]).items():
+            if not key.startswith("param."):
+                continue  # prefix-state gradients: the prompt stage's input, not the optimizer's
+            p = params[key.removeprefix("param.")]
+            p.grad = g.to(p).clone() if p.grad is None else p.grad.add_(g.to(p))
+    stats = optimizer_step(model, optimizer, cfg.optim, update, cfg.updates)
+    version = weights_version(model)
+    out = save_checkpoint(cfg.paths().checkpoint(update + 1), model, optimizer, update=update + 1, step=step,
+                          extra={"weights_version": version})
+    return {"checkpoint": str(out), "update": update + 1, "weights_version": version, **stats,
+            "seconds": time.perf_counter() - t0}
