@@ -1,0 +1,103 @@
+"""End to end through Prefect (ephemeral) and MLflow (sqlite): a failed replay fails the flow, the re-run resumes
+from stored state without recomputing rollout/capture and ends with the weights of an uninterrupted run; MLflow
+holds one parent run with nested stage runs and the step metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import longstraw.train.stages as lib
+from flows.train import grpo_train
+from longstraw.train.config import TrainConfig
+from tests.conftest import tiny_config
+
+STEP_METRICS = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len",
+                "prefix_state_bytes", "peak_bytes", "step_seconds", "tokens_per_s", "capture_seconds",
+                "rollout_seconds", "replay_seconds", "prompt_backward_seconds", "optimizer_seconds")
+
+
+def config(run_dir, **kw) -> dict:
+    model = tiny_config("qwen3", vocab_size=260, max_position_embeddings=1024, num_hidden_layers=2)
+    base = dict(model={"random": model}, prompt_tokens=256, steps=2, groups=1, responses=4, max_new_tokens=6,
+                reward="tests.flows.rewards:digit_share", grpo={"prompt_chunk": 128}, run_dir=str(run_dir),
+                optim={"lr": 1e-2}, pipeline={"replay_concurrency": 2, "branches_per_task": 1, "retries": 0})
+    return TrainConfig.model_validate(base | kw).model_dump(mode="json")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count executions of every library stage (the Prefect tasks look them up at call time)."""
+    calls: Counter = Counter()
+    for name in ("capture_stage", "rollout_stage", "reward_stage", "replay_stage", "prompt_stage", "optimizer_stage"):
+        fn = getattr(lib, name)
+
+        def wrapped(cfg, *a, _fn=fn, _name=name, **kw):
+            calls[(_name, kw.get("step"))] += 1
+            return _fn(cfg, *a, **kw)
+
+        monkeypatch.setattr(lib, name, wrapped)
+    return calls
+
+
+def weights(out: dict) -> dict[str, torch.Tensor]:
+    return load_file(f"{out['checkpoint']}/model.safetensors")
+
+
+def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch):
+    cfg = config(tmp_path / "run")
+    replay = lib.replay_stage
+
+    def flaky(c, *a, **kw):
+        if kw["step"] == 1 and kw["branches"] == [2]:
+            raise RuntimeError("injected replay fault")
+        return replay(c, *a, **kw)
+
+    monkeypatch.setattr(lib, "replay_stage", flaky)
+    with pytest.raises(Exception, match="injected replay fault"):
+        grpo_train(cfg, progress=False)
+    assert counted[("rollout_stage", 1)] == 1 and counted[("capture_stage", 1)] == 1
+    assert counted[("optimizer_stage", 0)] == 1 and counted[("optimizer_stage", 1)] == 0
+
+    monkeypatch.setattr(lib, "replay_stage", replay)
+    before = counted.copy()
+    resumed = grpo_train(cfg, progress=False)
+    new = counted - before
+    # step 0 was finished: nothing of it runs again; of step 1 only what had not completed
+    assert not any(step == 0 for _, step in new)
+    assert new[("capture_stage", 1)] == 0 and new[("rollout_stage", 1)] == 0 and new[("reward_stage", 1)] == 0
+    assert new[("replay_stage", 1)] == 1  # the failed branch only; its siblings were cached
+    assert new[("prompt_stage", 1)] == 1 and new[("optimizer_stage", 1)] == 1
+
+    clean = grpo_train(config(tmp_path / "clean"), progress=False)
+    got, want = weights(resumed), weights(clean)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    start = load_file(str(tmp_path / "run" / "checkpoints" / "update-000000" / "model.safetensors"))
+    assert any(not torch.equal(start[k], want[k]) for k in want)  # training moved the weights
+    assert [h["step"] for h in resumed["history"]] == [0, 1]
+
+
+def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
+    from mlflow import MlflowClient
+
+    cfg = config(tmp_path / "run", steps=1, grpo={"prompt_chunk": 128, "kl_coef": 0.05})
+    out = grpo_train(cfg, progress=False)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("longstraw")
+    runs = client.search_runs([exp.experiment_id])
+    parent = client.get_run(out["mlflow_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert set(STEP_METRICS) <= set(parent.data.metrics)
+    assert parent.data.metrics["kl"] >= 0 and parent.data.params["grpo.kl_coef"] == "0.05"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    stages = Counter(r.data.tags["stage"] for r in children)
+    assert stages == {"capture": 1, "rollout": 1, "reference": 1, "reward": 1, "replay": 4, "prompt": 1,
+                      "optimizer": 1}
+    replay = next(r for r in children if r.data.tags["stage"] == "replay")
+    assert {"loss", "seconds", "tokens_per_s", "peak_bytes"} <= set(replay.data.metrics)
+    artefacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"reward_curve.png", "config.json"} <= artefacts
