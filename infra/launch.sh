@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Launch a LongStraw command on a GPU machine under torchrun (or DeepSpeed's launcher).
+#
+#   infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--replicate] [--dry-run] -- <longstraw args...>
+#
+#   infra/launch.sh --nproc 1 -- train --config configs/train-tiny.yaml
+#   infra/launch.sh --nproc 1 --deepspeed infra/deepspeed/zero2.json -- step --config configs/tiny.yaml
+#
+# runs   torchrun --standalone --nproc-per-node N -m flows.cli <args...>
+# or     deepspeed --num_gpus N --module flows.cli <args...>   (with LONGSTRAW_DEEPSPEED_CONFIG=ds_config.json)
+#
+# N defaults to the number of visible GPUs: the entries of CUDA_VISIBLE_DEVICES when it is set, else the lines of
+# `nvidia-smi -L`; 1 when there is no GPU. `flows.cli` is the module behind the installed `longstraw` command
+# (library commands step/state-size/sft plus the pipeline's train/resume/serve/ui); --module longstraw.cli runs
+# the library commands only.
+#
+# HONEST STATUS: the distributed training path (ranks sharing one run, DeepSpeed ZeRO sharding of optimizer state
+# and gradients) arrives with a later issue. Today every LongStraw command is single-process: it reads no
+# RANK/LOCAL_RANK/WORLD_SIZE, does not initialise torch.distributed and does not read a DeepSpeed config. Under
+# this wrapper each rank therefore runs the WHOLE command on its own, on the same device and the same run
+# directory. So N > 1 is refused unless --replicate is given (only useful to smoke-test the launcher), and
+# --deepspeed only exports the config's path as LONGSTRAW_DEEPSPEED_CONFIG, which nothing reads yet.
+# Multi-GPU training does NOT work yet; use --nproc 1.
+set -euo pipefail
+
+usage() {
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+die() {
+    echo "error: $*" >&2
+    echo "usage: infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--replicate] [--dry-run] -- <longstraw args...>" >&2
+    echo "       (infra/launch.sh --help for details)" >&2
+    exit 2
+}
+
+visible_gpus() {
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        # "" or "-1" hide every GPU; otherwise a comma-separated list
+        if [[ -z "$CUDA_VISIBLE_DEVICES" || "$CUDA_VISIBLE_DEVICES" == "-1" ]]; then
+            echo 0
+        else
+            awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES"
+        fi
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+    else
+        echo 0
+    fi
+}
+
+NPROC=""
+DS_CONFIG=""
+MODULE="${LONGSTRAW_MODULE:-flows.cli}"
+REPLICATE=0
+DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --nproc) [[ $# -ge 2 ]] || die "--nproc needs a number"; NPROC="$2"; shift 2 ;;
+        --nproc=*) NPROC="${1#*=}"; shift ;;
+        --deepspeed) [[ $# -ge 2 ]] || die "--deepspeed needs a config file"; DS_CONFIG="$2"; shift 2 ;;
+        --deepspeed=*) DS_CONFIG="${1#*=}"; shift ;;
+        --module) [[ $# -ge 2 ]] || die "--module needs a module name"; MODULE="$2"; shift 2 ;;
+        --module=*) MODULE="${1#*=}"; shift ;;
+        --replicate) REPLICATE=1; shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        --) shift; break ;;
+        *) die "unknown option '$1' (put the longstraw command after --)" ;;
+    esac
+done
+[[ $# -gt 0 ]] || die "no longstraw command given after --"
+
+if [[ -z "$NPROC" ]]; then
+    NPROC="$(visible_gpus)"
+    if [[ "$NPROC" -lt 1 ]]; then
+        echo "note: no visible GPU; running 1 process" >&2
+        NPROC=1
+    fi
+fi
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
+
+if [[ "$NPROC" -gt 1 && "$REPLICATE" -ne 1 ]]; then
+    die "N=$NPROC processes requested, but LongStraw has no distributed training path yet (a later issue):
+       every rank would run the whole command on the same device and run directory.
+       Use --nproc 1, or --replicate to start $NPROC independent copies anyway (launcher smoke test only)."
+fi
+if [[ "$NPROC" -gt 1 ]]; then
+    echo "warning: --replicate: $NPROC independent copies of the same single-process command" >&2
+fi
+
+# prefer the repository's venv when run from its root
+BIN=""
+if [[ -x .venv/bin/python ]]; then
+    BIN=".venv/bin/"
+fi
+
+if [[ -n "$DS_CONFIG" ]]; then
+    [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config '$DS_CONFIG' not found"
+    echo "note: no LongStraw command reads a DeepSpeed config yet (distributed issue); exported as LONGSTRAW_DEEPSPEED_CONFIG" >&2
+    LONGSTRAW_DEEPSPEED_CONFIG="$(cd "$(dirname "$DS_CONFIG")" && pwd)/$(basename "$DS_CONFIG")"
+    export LONGSTRAW_DEEPSPEED_CONFIG
+    CMD=("${BIN}deepspeed" --num_gpus "$NPROC" --module "$MODULE" "$@")
+    if [[ -n "$BIN" && ! -x "${BIN}deepspeed" ]]; then CMD[0]="deepspeed"; fi
+else
+    CMD=("${BIN}torchrun" --standalone --nproc-per-node "$NPROC" -m "$MODULE" "$@")
+    if [[ -n "$BIN" && ! -x "${BIN}torchrun" ]]; then CMD[0]="torchrun"; fi
+fi
+
+if [[ "$DRY_RUN" -eq 1 ]]; then
+    printf '%q ' "${CMD[@]}"; echo
+    exit 0
+fi
+command -v "${CMD[0]}" >/dev/null 2>&1 || die "'${CMD[0]}' not found (deepspeed: pip install -e '.[zero]')"
+export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
+exec "${CMD[@]}"
