@@ -1,4 +1,5 @@
-"""Command line: `longstraw step`, `longstraw state-size`, `longstraw sft` (see --help of each)."""
+"""Command line: `longstraw step`, `longstraw state-size`, `longstraw sft` (see --help of each); the pipeline's
+`train`, `resume`, `serve` and `ui` are added by flows/cli.py."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The library's commands; the installed `longstraw` script (flows/cli.py) adds the pipeline's."""
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("step", help="one GRPO step per mode on a synthetic group: time, memory, gradient agreement")
@@ -79,12 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the result to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_sft)
+    return parser, sub
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser()[0], argv)
 
 
 if __name__ == "__main__":

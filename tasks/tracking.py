@@ -65,7 +65,11 @@ def start_parent(cfg: TrainConfig, name: str, tags: dict[str, str]) -> str:
     with _LOCK:
         c = client(cfg)
         exp = c.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+        if exp:
+            exp_id = exp.experiment_id
+        else:  # artefacts beside the run's sqlite db, not in ./mlruns of whatever directory this runs in
+            where = None if cfg.tracking.uri else (Path(cfg.run_dir) / "mlartifacts").resolve().as_uri()
+            exp_id = c.create_experiment(cfg.tracking.experiment, artifact_location=where)
         run = c.create_run(exp_id, run_name=name, tags=tags)
         params = [Param(k, v[:6000]) for k, v in _flatten(cfg.model_dump(mode="json")).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch

@@ -4,6 +4,7 @@ holds one parent run with nested stage runs and the step metrics."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import longstraw.train.stages as lib
+from flows.cli import main
 from flows.train import grpo_train
 from longstraw.train.config import TrainConfig
 from tests.conftest import tiny_config
@@ -64,7 +66,7 @@ def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch)
 
     monkeypatch.setattr(lib, "replay_stage", replay)
     before = counted.copy()
-    resumed = grpo_train(cfg, progress=False)
+    assert main(["resume", str(tmp_path / "run"), "--no-progress"]) == 0  # what a user types
     new = counted - before
     # step 0 was finished: nothing of it runs again; of step 1 only what had not completed
     assert not any(step == 0 for _, step in new)
@@ -73,12 +75,14 @@ def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch)
     assert new[("prompt_stage", 1)] == 1 and new[("optimizer_stage", 1)] == 1
 
     clean = grpo_train(config(tmp_path / "clean"), progress=False)
+    resumed = {"checkpoint": str(tmp_path / "run" / "checkpoints" / "update-000002")}
     got, want = weights(resumed), weights(clean)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     start = load_file(str(tmp_path / "run" / "checkpoints" / "update-000000" / "model.safetensors"))
     assert any(not torch.equal(start[k], want[k]) for k in want)  # training moved the weights
-    assert [h["step"] for h in resumed["history"]] == [0, 1]
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert [h["step"] for h in history] == [0, 1]
 
 
 def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):

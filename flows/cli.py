@@ -1,0 +1,147 @@
+"""`longstraw train | resume | serve | ui`: the pipeline commands (the library's CLI hands these over to here, so
+that `longstraw` itself never imports Prefect or MLflow)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from longstraw.cli import build_parser, run  # noqa: E402
+from longstraw.config import load_config  # noqa: E402
+from longstraw.train.artifacts import load_json  # noqa: E402
+from longstraw.train.config import TrainConfig  # noqa: E402
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    cfg = load_config(args.config, TrainConfig)
+    data = cfg.model_dump(mode="json")
+    for key in ("run_dir", "steps"):
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    return TrainConfig.model_validate(data)
+
+
+def _report(out: dict) -> None:
+    rows = out["history"]
+    print(f"\n{'step':>4} {'reward':>7} {'acc':>6} {'loss':>9} {'grad':>7} {'len':>5} {'sec':>6}")
+    for h in rows:
+        print(f"{h['step']:>4} {h['reward_mean']:>7.3f} {h['accuracy']:>6.3f} {h['loss']:>9.4f} {h['grad_norm']:>7.3f} "
+              f"{h['response_len']:>5.1f} {h['step_seconds']:>6.1f}")
+    print(f"final checkpoint: {out['checkpoint']}\nMLflow run {out['mlflow_run_id']}; "
+          f"reward curve: {Path(out['run_dir']) / 'reward_curve.png'}")
+
+
+def _where(cfg: TrainConfig) -> None:
+    from tasks.tracking import tracking_uri
+
+    print(f"run dir: {Path(cfg.run_dir).resolve()}\nMLflow: {tracking_uri(cfg)} (experiment {cfg.tracking.experiment!r})"
+          f"\nstate store: {cfg.paths().states_url(cfg)}", flush=True)
+
+
+def train(args: argparse.Namespace) -> int:
+    from .train import grpo_train
+
+    cfg = _config(args)
+    _where(cfg)
+    _report(grpo_train(cfg.model_dump(mode="json"), progress=not args.no_progress))
+    return 0
+
+
+def _resume_config(target: str) -> dict:
+    """The config of a run, from its run directory or from the parameters of one of its Prefect flow runs."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a run directory written by `longstraw train`")
+        return load_json(path / "config.json")
+    if path.suffix in (".yaml", ".yml"):
+        raise ValueError(f"{target} is a config file; resume takes a run directory or a flow-run id "
+                         f"(`longstraw train --config {target}` also continues its run directory)")
+    from uuid import UUID
+
+    try:
+        run_id = UUID(target)
+    except ValueError:
+        raise ValueError(f"{target!r} is neither a run directory nor a Prefect flow-run id") from None
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        params = client.read_flow_run(run_id).parameters
+    if "config" not in params:
+        raise ValueError(f"flow run {target} is not a grpo-train run (it has no `config` parameter)")
+    return params["config"]
+
+
+def resume(args: argparse.Namespace) -> int:
+    from .train import grpo_train
+
+    cfg = TrainConfig.model_validate(_resume_config(args.target))
+    _where(cfg)
+    _report(grpo_train(cfg.model_dump(mode="json"), progress=not args.no_progress))
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Register the grpo-train deployment with the config's nightly cron and run its scheduled/triggered runs."""
+    from prefect.schedules import Cron
+
+    from .train import grpo_train
+
+    cfg = _config(args)
+    s = cfg.schedule
+    cron = args.cron or s.cron
+    print(f"serving deployment grpo-train/{s.deployment}: cron {cron!r} ({s.timezone}); trigger runs from the Prefect UI "
+          f"or `prefect deployment run grpo-train/{s.deployment}`", flush=True)
+    grpo_train.serve(
+        name=s.deployment,
+        schedules=[Cron(cron, timezone=s.timezone)],
+        parameters={"config": cfg.model_dump(mode="json"), "progress": False},
+        tags=["longstraw"],
+        description="GRPO training (LongStraw); config: " + str(Path(args.config).resolve()),
+        limit=args.limit,
+    )
+    return 0
+
+
+def ui(args: argparse.Namespace) -> int:
+    from .ui import serve_forever, start_ui
+
+    serve_forever(start_ui(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, host=args.host,
+                           backend_store_uri=args.mlflow_store))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `longstraw` script: the library's commands plus the pipeline's."""
+    parser, sub = build_parser()
+    p = sub.add_parser("train", help="GRPO training run (Prefect flow, MLflow tracking); continues its run dir")
+    p.add_argument("--config", default="configs/train-tiny.yaml", help="YAML TrainConfig")
+    p.add_argument("--run-dir", help="override the config's run_dir")
+    p.add_argument("--steps", type=int, help="override the number of steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=train)
+    p = sub.add_parser("resume", help="continue a failed run from its stored state (completed stages are skipped)")
+    p.add_argument("target", help="run directory, or the id of one of its Prefect flow runs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=resume)
+    p = sub.add_parser("serve", help="register the nightly grpo-train deployment and run its flow runs")
+    p.add_argument("--config", default="configs/train-tiny.yaml", help="YAML TrainConfig (schedule: cron, timezone)")
+    p.add_argument("--cron", help="override the config's schedule.cron")
+    p.add_argument("--run-dir", help="override the config's run_dir")
+    p.add_argument("--limit", type=int, help="most flow runs at once")
+    p.set_defaults(func=serve)
+    p = sub.add_parser("ui", help="start a Prefect server and an MLflow server on 127.0.0.1 and print their URLs")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--mlflow-store", help="MLflow backend store URI (default: sqlite under ./runs)")
+    p.set_defaults(func=ui)
+    return run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
