@@ -83,12 +83,13 @@ def _dtype(name: str) -> torch.dtype:
 class _ChecksumStore(WrapperStore):
     """Records the sha256 of every file written; on read, verifies the files the manifest lists before use."""
 
-    def __init__(self, store: Store, sums: dict[str, str], url: str, verify: bool = False) -> None:
+    def __init__(self, store: Store, sums: dict[str, str], url: str, verify: bool = False,
+                 what: str = "prefix state") -> None:
         super().__init__(store)
-        self.sums, self.url, self.verify = sums, url, verify
+        self.sums, self.url, self.verify, self.what = sums, url, verify, what
 
     def _with_store(self, store: Store) -> _ChecksumStore:
-        return type(self)(store, self.sums, self.url, self.verify)
+        return type(self)(store, self.sums, self.url, self.verify, self.what)
 
     async def set(self, key, value) -> None:
         self.sums[key] = hashlib.sha256(value.to_bytes()).hexdigest()
@@ -108,9 +109,9 @@ class _ChecksumStore(WrapperStore):
         buf = await self._store.get(key, prototype)  # whole file: a checksum covers all of it
         what = f"{'shard' if '/c/' in key else 'metadata file'} {key!r}"
         if buf is None:
-            raise ValueError(f"prefix state at {self.url}: {what} is missing")
+            raise ValueError(f"{self.what} at {self.url}: {what} is missing")
         if hashlib.sha256(buf.to_bytes()).hexdigest() != self.sums[key]:
-            raise ValueError(f"prefix state at {self.url}: {what} is corrupted (sha256 differs from the manifest)")
+            raise ValueError(f"{self.what} at {self.url}: {what} is corrupted (sha256 differs from the manifest)")
         return buf if byte_range is None else await self._store.get(key, prototype, byte_range)
 
     async def get_partial_values(self, prototype, key_ranges):
@@ -181,15 +182,8 @@ def save_state(
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
-    url = url.rstrip("/")
-    tag = uuid.uuid4().hex[:12]
-    tmp_url = f"{url}.tmp-{tag}"
-    fs, final = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    tmp = fs._strip_protocol(tmp_url)
-    sums: dict[str, str] = {}
-    try:
-        store = _ChecksumStore(_zarr_store(tmp_url, storage_options, read_only=False), sums, url)
-        root = zarr.open_group(store, mode="w", zarr_format=3)
+
+    def write(root: zarr.Group) -> dict:
         prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
         layers = []
         for i, layer in enumerate(state.layers):
@@ -201,7 +195,7 @@ def save_state(
                 if t is not None:
                     arrays[field] = _write_tensor(group, field, t, None if kind == "recurrent" else shard_tokens)
             layers.append({"kind": kind, "arrays": arrays})
-        manifest = {
+        return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "model_fingerprint": state.model_fingerprint,
@@ -211,8 +205,24 @@ def save_state(
             "prompt_ids": prompt,
             "chunks": [list(c) for c in state.chunks],
             "layers": layers,
-            "checksums": dict(sorted(sums.items())),
         }
+
+    return _write_committed(url, storage_options, write)
+
+
+def _write_committed(url: str, storage_options: dict | None, write) -> dict:
+    """Run `write(root_group) -> manifest` under a temporary name, then swap it in and commit the manifest (with
+    the checksums of every file written) as the last step."""
+    url = url.rstrip("/")
+    tag = uuid.uuid4().hex[:12]
+    tmp_url = f"{url}.tmp-{tag}"
+    fs, final = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    tmp = fs._strip_protocol(tmp_url)
+    sums: dict[str, str] = {}
+    try:
+        store = _ChecksumStore(_zarr_store(tmp_url, storage_options, read_only=False), sums, url)
+        manifest = write(zarr.open_group(store, mode="w", zarr_format=3))
+        manifest["checksums"] = dict(sorted(sums.items()))
         _commit(fs, tmp, final, tag, json.dumps(manifest, indent=1).encode())
     except BaseException:
         if fs.exists(tmp):
@@ -262,20 +272,22 @@ def _write_manifest(fs, root: str, tag: str, manifest: bytes) -> None:
         fs.pipe_file(path, manifest)  # object stores put whole objects
 
 
-def read_manifest(url: str, storage_options: dict | None = None) -> dict:
+def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str, int] = (FORMAT, FORMAT_VERSION),
+                  what: str = "prefix state") -> dict:
     """The manifest of the committed state at `url`; ValueError if there is none (never committed, or killed)."""
     url = url.rstrip("/")
+    name, version = fmt
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     try:
         manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
     except FileNotFoundError:
-        raise ValueError(f"no committed prefix state at {url} ({MANIFEST} missing)") from None
+        raise ValueError(f"no committed {what} at {url} ({MANIFEST} missing)") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"prefix state at {url}: unreadable {MANIFEST} ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{what} at {url}: unreadable {MANIFEST} ({e})") from None
+    if manifest.get("format") != name or manifest.get("format_version") != version:
         raise ValueError(
-            f"prefix state at {url} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
-            f"this longstraw reads {FORMAT!r} version {FORMAT_VERSION}"
+            f"{what} at {url} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+            f"this longstraw reads {name!r} version {version}"
         )
     return manifest
 
@@ -331,3 +343,45 @@ def load_state(
         layers.append(_CLASSES[kind](**tensors))
     chunks = [tuple(c) for c in manifest["chunks"]]
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"])
+
+
+# ---- rollouts ---------------------------------------------------------------------------------------------------
+
+ROLLOUT_FORMAT = ("longstraw.rollout", 1)
+
+
+def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.Tensor], meta: dict, *,
+                 storage_options: dict | None = None) -> dict:
+    """Store a group's sampled responses (token ids), their sampling log-probs and a JSON-able `meta` (texts,
+    finish reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state."""
+    if len(responses) != len(logprobs) or any(r.numel() != lp.numel() for r, lp in zip(responses, logprobs)):
+        raise ValueError("save_rollout needs one log-prob per response token")
+    lengths = torch.tensor([r.numel() for r in responses], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+    def write(root: zarr.Group) -> dict:
+        arrays = {
+            "tokens": _write_tensor(root, "tokens", torch.cat(responses).to(torch.int64).cpu(), None),
+            "logprobs": _write_tensor(root, "logprobs", torch.cat(logprobs).float().cpu(), None),
+            "offsets": _write_tensor(root, "offsets", offsets, None),
+        }
+        name, version = ROLLOUT_FORMAT
+        return {"format": name, "format_version": version, "responses": len(responses), "arrays": arrays,
+                "meta": meta}
+
+    return _write_committed(url, storage_options, write)
+
+
+def load_rollout(url: str, *, storage_options: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(responses, sampling log-probs, meta) of the committed rollout at `url`; every file's checksum verified."""
+    url = url.rstrip("/")
+    manifest = read_manifest(url, storage_options, ROLLOUT_FORMAT, "rollout")
+    store = _ChecksumStore(_zarr_store(url, storage_options, read_only=True), manifest["checksums"], url, True,
+                           "rollout")
+    root = zarr.open_group(store, mode="r", zarr_format=3)
+    arrays = {k: _to_torch(root[k][...], _dtype(spec["dtype"]), torch.device("cpu"))
+              for k, spec in manifest["arrays"].items()}
+    o = arrays["offsets"].tolist()
+    rows = range(manifest["responses"])
+    return ([arrays["tokens"][o[i] : o[i + 1]] for i in rows], [arrays["logprobs"][o[i] : o[i + 1]] for i in rows],
+            manifest["meta"])

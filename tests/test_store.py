@@ -253,3 +253,26 @@ def test_memory_url_round_trip_and_checks():
             load_state(url, model=model, weights_version=wv)
     finally:
         fs.rm(path.rsplit("/", 1)[0], recursive=True)
+
+
+def test_rollout_round_trip_corruption_and_bad_input(tmp_path):
+    from longstraw.store import load_rollout, save_rollout
+
+    responses = [torch.tensor([5, 2, 258]), torch.tensor([7]), torch.tensor([1, 2, 3, 4])]
+    logps = [torch.randn(r.numel()) for r in responses]
+    url = str(tmp_path / "rollouts" / "g0")
+    save_rollout(url, responses, logps, {"texts": ["a", "b", "c"], "finish_reasons": ["stop", "length", "length"]})
+    got_r, got_lp, meta = load_rollout(url)
+    assert all(torch.equal(a, b) for a, b in zip(got_r, responses)) and len(got_r) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got_lp, logps))
+    assert meta["texts"] == ["a", "b", "c"]
+    shard = tmp_path / "rollouts" / "g0" / "logprobs" / "c" / "0"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="rollout at .* shard 'logprobs/c/0' is corrupted"):
+        load_rollout(url)
+    with pytest.raises(ValueError, match="one log-prob per response token"):
+        save_rollout(url, responses, logps[:2], {})
+    with pytest.raises(ValueError, match="no committed rollout"):
+        load_rollout(str(tmp_path / "nothing"))

@@ -29,7 +29,8 @@ class OptimConfig(_Strict):
 
 
 class StoreConfig(_Strict):
-    url: str | None = Field(None, description="where prefix states go (fsspec URL); default: <run_dir>/states")
+    url: str | None = Field(None, description="fsspec URL of the zarr store (prefix states under states/, rollouts "
+                            "under rollouts/); default: <run_dir>/store")
     storage_options: dict = Field(default_factory=dict, description="fsspec options, e.g. s3 credentials")
     shard_tokens: int = Field(65536, ge=1, description="tokens per zarr shard (one writer per shard)")
 
@@ -115,8 +116,8 @@ class RunPaths:
     def step(self, step: int) -> Path:
         return self.root / "steps" / f"step-{step:06d}"
 
-    def states_url(self, cfg: TrainConfig) -> str:
-        return (cfg.store.url or str(self.root / "states")).rstrip("/")
+    def store_url(self, cfg: TrainConfig) -> str:
+        return (cfg.store.url or str(self.root / "store")).rstrip("/")
 
     @property
     def tracking_uri(self) -> str:

@@ -10,11 +10,11 @@ The prompt runs once per step for the policy: the rollout samples from the captu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
@@ -26,7 +26,8 @@ from ..models import build_model, load_model
 from ..rewards import compute_rewards, get_reward
 from ..rollout import rollout
 from ..state import RecurrentState
-from ..store import load_state, save_state, weights_version
+from ..store import ROLLOUT_FORMAT, load_state, read_manifest, save_rollout, save_state, weights_version
+from ..store import load_rollout as store_load_rollout
 from ..tokenizer import check_vocab, load_tokenizer
 from .artifacts import load_json, load_tensors, save_json, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
@@ -86,7 +87,7 @@ def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoc
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
     prompt = _prompt(cfg, step, group, model.config.vocab_size)
-    url = f"{cfg.paths().states_url(cfg)}/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
+    url = f"{cfg.paths().store_url(cfg)}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
         save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
@@ -109,23 +110,27 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, 
         samples = rollout(model, state, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
                           seed=example_seed(cfg.seed, step, group))
-    tensors = {f"tokens.{i}": s.tokens for i, s in enumerate(samples)}
-    tensors |= {f"logprobs.{i}": s.logprobs for i, s in enumerate(samples)}
     lengths = [s.tokens.numel() for s in samples]
     meta = {"finish_reasons": [s.finish_reason for s in samples], "texts": [tok.decode(s.tokens.tolist()) for s in samples]}
-    path = str(cfg.paths().step(step) / f"rollout-g{group:03d}.safetensors")
-    sha = save_tensors(path, tensors, meta)
-    return {**_ref(path, sha), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
+    url = f"{cfg.paths().store_url(cfg)}/rollouts/step-{step:06d}/group-{group:03d}"
+    manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
+                            storage_options=cfg.store.storage_options)
+    return {**_ref(url, _digest(manifest)), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
             "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
 
 
-def load_rollout(ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+def _digest(manifest: dict) -> str:
+    """Content hash of a stored zarr artefact: the sha256 of its files' checksums."""
+    return hashlib.sha256(json.dumps(manifest["checksums"], sort_keys=True).encode()).hexdigest()
+
+
+def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
-    t = load_tensors(ref["path"], ref["sha256"])
-    with safe_open(ref["path"], "pt") as f:
-        meta = json.loads(f.metadata()["meta"])
-    n = len(meta["texts"])
-    return [t[f"tokens.{i}"] for i in range(n)], [t[f"logprobs.{i}"] for i in range(n)], meta
+    opts = cfg.store.storage_options
+    if _digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")) != ref["sha256"]:
+        raise ValueError(f"rollout at {ref['path']} is not the one this stage was given (content hash differs); "
+                         f"re-run its rollout stage")
+    return store_load_rollout(ref["path"], storage_options=opts)
 
 
 def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, step: int, group: int) -> dict:
@@ -133,7 +138,7 @@ def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, st
     _setup(cfg)
     model, _ = _policy(cfg, ref_checkpoint)
     prompt = _prompt(cfg, step, group, model.config.vocab_size)
-    responses, _, _ = load_rollout(rollout_ref)
+    responses, _, _ = load_rollout(cfg, rollout_ref)
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
         logps = score(model, state, responses, cfg.grpo.branch_batch)
@@ -147,7 +152,7 @@ def reward_stage(cfg: TrainConfig, rollout_ref: dict, step: int, group: int) -> 
     t0 = time.perf_counter()
     ex = step_example(cfg, load_tokenizer(cfg.tokenizer), step, group)
     prompt_meta = ex.meta | {"answer": ex.answer}
-    _, _, meta = load_rollout(rollout_ref)
+    _, _, meta = load_rollout(cfg, rollout_ref)
     fn = get_reward(cfg.reward or cfg.task)
     rewards, failed = compute_rewards(fn, [prompt_meta] * len(meta["texts"]), meta["texts"])
     adv = group_advantages(rewards, scale=cfg.scale_advantages).tolist()
@@ -173,7 +178,7 @@ def replay_stage(
     gradient of the prefix state (summed over these branches)."""
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
-    responses, sample_logps, _ = load_rollout(rollout_ref)
+    responses, sample_logps, _ = load_rollout(cfg, rollout_ref)
     record = load_json(reward_ref["path"], reward_ref["sha256"])
     weights_all = token_weights([r.numel() for r in responses], cfg.grpo)
     pick = lambda xs: [xs[i] for i in branches]  # noqa: E731

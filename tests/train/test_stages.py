@@ -3,6 +3,8 @@ the optimizer stage equals a hand-written AdamW step, and what they store is ver
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def reference_grad(cfg, init, roll, mode) -> torch.Tensor:
     model = ls.load_model(init["checkpoint"])
     tok = load_tokenizer(cfg.tokenizer)
     prompt = prompt_ids(tok, step_example(cfg, tok, 0, 0))
-    responses, _, _ = stages.load_rollout(roll)
+    responses, _, _ = stages.load_rollout(cfg, roll)
     model.zero_grad(set_to_none=True)
     ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=cfg.grpo)
     return flat_grad(model)
@@ -113,10 +115,11 @@ def test_optimizer_stage_is_one_adamw_step(tmp_path):
 def test_corrupted_artefacts_are_refused(tmp_path):
     cfg = make_cfg(tmp_path)
     init, cap, roll, rew = step_group(cfg)
-    data = bytearray(open(roll["path"], "rb").read())
+    shard = Path(roll["path"]) / "tokens" / "c" / "0"
+    data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
-    open(roll["path"], "wb").write(bytes(data))
-    with pytest.raises(ValueError, match="sha256"):
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="rollout at .* is corrupted"):
         stages.replay_stage(cfg, init["checkpoint"], cap["url"], roll, rew, None, 0, 0, 0, [0])
     weights = tmp_path / "run" / "checkpoints" / "update-000000" / "model.safetensors"
     data = bytearray(weights.read_bytes())
