@@ -156,3 +156,26 @@ def test_config_errors(tmp_path):
         TrainConfig.model_validate({"model": {"random": {"model_type": "qwen3"}}, "task": None, "dataset": "x.jsonl"})
     with pytest.raises(ValueError, match="stepz"):
         TrainConfig.model_validate({"model": {"random": {"model_type": "qwen3"}}, "stepz": 3})
+
+
+def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
+    """epochs > 1: the ratio's denominator is the sampling log-prob from the rollout, so after one update the
+    replay clips, and its gradient equals naive grpo_backward given those old log-probs."""
+    cfg = make_cfg(tmp_path, epochs=2, optim={"lr": 0.05, "grad_clip": None}, grpo={"prompt_chunk": 96, "clip_low": 0.02, "clip_high": 0.02})
+    init, cap, roll, rew = step_group(cfg)
+    r0 = [stages.replay_stage(cfg, init["checkpoint"], cap["url"], roll, rew, None, 0, 0, 0, [0, 1, 2, 3])]
+    p0 = stages.prompt_stage(cfg, init["checkpoint"], cap["url"], r0, 0, 0, 0)
+    assert r0[0]["clipped_tokens"] == 0  # same weights as the sampler: ratios are 1 up to rounding
+    ckpt1 = stages.optimizer_stage(cfg, init["checkpoint"], r0 + [p0], update=0, step=0)["checkpoint"]
+    cap1 = stages.capture_stage(cfg, ckpt1, step=0, group=0, epoch=1)
+    r1 = [stages.replay_stage(cfg, ckpt1, cap1["url"], roll, rew, None, 0, 0, 1, [0, 1, 2, 3])]
+    p1 = stages.prompt_stage(cfg, ckpt1, cap1["url"], r1, 0, 0, 1)
+    assert r1[0]["clipped_tokens"] > 0
+    got = summed_param_grads(ls.load_model(ckpt1), r1 + [p1])
+
+    model = ls.load_model(ckpt1)
+    tok = load_tokenizer(cfg.tokenizer)
+    responses, old, _ = stages.load_rollout(cfg, roll)
+    ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
+                     old_logprobs=old, config=cfg.grpo)
+    assert rel_err(got, flat_grad(model)) <= 1e-5
