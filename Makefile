@@ -14,13 +14,22 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[pipeline,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/longstraw step --config configs/tiny.yaml
+# The tiny model is warm-started once (runs/sft-tiny, a few minutes); each `make run` then trains it with GRPO in
+# a fresh run directory. PREFECT_HOME stays inside the project: the embedded Prefect needs no server.
+SFT_CKPT := runs/sft-tiny/model.safetensors
+export PREFECT_HOME ?= $(CURDIR)/runs/prefect-home
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+
+$(SFT_CKPT): configs/sft-tiny.yaml | $(STAMP)
+	$(VENV)/bin/longstraw sft --config configs/sft-tiny.yaml
+
+run: $(STAMP) $(SFT_CKPT)
+	$(VENV)/bin/longstraw train --config configs/train-tiny.yaml --run-dir runs/grpo-tiny-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
