@@ -1,0 +1,42 @@
+"""Checkpoints are all-or-nothing: a writer that fails leaves the previous checkpoint as the latest one."""
+
+import pytest
+import torch
+
+import longstraw.train.checkpoint as ck
+from longstraw.train.config import OptimConfig
+from longstraw.train.optim import build_optimizer
+from tests.conftest import tiny_model
+
+
+def test_failed_write_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):
+    model = tiny_model()
+    opt = build_optimizer(model, OptimConfig())
+    root = tmp_path / "checkpoints"
+    ck.save_checkpoint(root / "update-000000", model, opt, update=0, step=0, extra={"weights_version": "v0"})
+    real = ck.save_file
+
+    def dies_on_optimizer(tensors, path, **kw):
+        if path.endswith("optimizer.safetensors"):
+            raise OSError("disk full")
+        return real(tensors, path, **kw)
+
+    monkeypatch.setattr(ck, "save_file", dies_on_optimizer)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(root / "update-000001", model, opt, update=1, step=0, extra={"weights_version": "v1"})
+    assert sorted(p.name for p in root.iterdir()) == ["update-000000"]  # no partial or temporary directory
+    assert ck.latest_checkpoint(root).name == "update-000000"
+
+
+def test_restores_rng_and_refuses_unknown_format(tmp_path):
+    model = tiny_model()
+    opt = build_optimizer(model, OptimConfig())
+    torch.manual_seed(7)
+    d = ck.save_checkpoint(tmp_path / "update-000003", model, opt, update=3, step=1, extra={"weights_version": "v"})
+    want = torch.rand(4)
+    torch.manual_seed(99)
+    _, _, meta = ck.load_checkpoint(d, lambda m: build_optimizer(m, OptimConfig()))
+    assert torch.equal(torch.rand(4), want) and meta["update"] == 3
+    (d / "trainer.json").write_text((d / "trainer.json").read_text().replace(ck.FORMAT, "other/9"))
+    with pytest.raises(ValueError, match="unknown checkpoint format"):
+        ck.read_trainer(d)
