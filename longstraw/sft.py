@@ -3,6 +3,11 @@
 Trains on (chat-formatted prompt, answer + eos) pairs with the loss on the answer tokens only, measures the task
 reward of greedy answers before and after, and writes an HF-layout checkpoint (config.json + model.safetensors,
 loadable by `load_model`) atomically.
+
+A tiny byte-level model does not learn content-based retrieval from scratch in a few hundred steps, but it does
+learn to copy an answer whose place is fixed. So a `curriculum` first trains on the shortest prompts (one
+`key: value` pair: the answer always sits at the same offset) and then grows them to `prompt_tokens`, where
+the copying skill carries over.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -27,22 +34,78 @@ from .tasks import TaskExample, get_task, make_task
 from .tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 
+Stage = tuple[int, float]  # (prompt tokens, fraction of the steps)
+
+
+def _check_curriculum(curriculum: list[Stage], prompt_tokens: int, where: str) -> None:
+    total = sum(f for _, f in curriculum)
+    if any(t < 16 or f <= 0 for t, f in curriculum) or total >= 1:
+        raise ValueError(f"{where}curriculum must be [prompt_tokens >= 16, fraction > 0] stages whose fractions sum "
+                         f"to less than 1 (the rest of the steps use prompt_tokens={prompt_tokens}), got {curriculum}")
+
+
+class TaskSettings(BaseModel):
+    """Per-task overrides of prompt_tokens / curriculum (tasks differ in their shortest prompt) and the task's own
+    task_options (none unless given here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_tokens: int | None = Field(None, ge=16)
+    curriculum: list[Stage] | None = None
+    task_options: dict | None = None
+
+
 class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelSpec
     tokenizer: str = "byte"
     task: str = "kv-retrieval"
-    prompt_tokens: int = Field(256, ge=16, description="length of the generated task prompts")
+    prompt_tokens: int = Field(256, ge=16, description="length of the generated task prompts (and of the evals)")
+    task_options: dict = Field(default_factory=dict, description="keyword options of the task's make, e.g. "
+                               "kv-retrieval's key_chars / value_digits")
+    curriculum: list[Stage] = Field(default_factory=list, description="[prompt_tokens, fraction of steps] stages "
+                                    "trained first, in order; the remaining steps use prompt_tokens")
+    per_task: dict[str, TaskSettings] = Field(default_factory=dict, description="overrides for the task named, "
+                                              "so that one config serves `--task` of each built-in task")
     steps: int = Field(800, ge=1)
     batch: int = Field(16, ge=1)
     lr: float = Field(2e-3, gt=0)
+    lr_schedule: Literal["linear", "constant"] = "linear"  # after the warmup: decay to 0, or keep lr
     warmup: int = Field(50, ge=0)
     weight_decay: float = Field(0.01, ge=0)
     eval_examples: int = Field(32, ge=1)
     seed: int = 0
     threads: int | None = Field(None, ge=1)
     out: str = "runs/sft-tiny"
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTConfig":
+        _check_curriculum(self.curriculum, self.prompt_tokens, "")
+        for name, ts in self.per_task.items():
+            get_task(name)  # unknown names fail here, listing the known tasks
+            if ts.curriculum is not None:
+                _check_curriculum(ts.curriculum, ts.prompt_tokens or self.prompt_tokens, f"per_task.{name}.")
+        return self
+
+    def settings(self) -> tuple[int, list[Stage], dict]:
+        """(prompt_tokens, curriculum, task_options) of `task`, per_task overrides applied."""
+        if self.task not in self.per_task:
+            return self.prompt_tokens, self.curriculum, self.task_options
+        ts = self.per_task[self.task]
+        # task options are task-specific: a per_task entry never inherits the top-level ones
+        return (self.prompt_tokens if ts.prompt_tokens is None else ts.prompt_tokens,
+                self.curriculum if ts.curriculum is None else ts.curriculum, ts.task_options or {})
+
+
+def prompt_length(step: int, steps: int, prompt_tokens: int, curriculum: list[Stage]) -> int:
+    """The prompt length of a step: the curriculum's stages in order, then prompt_tokens."""
+    end = 0.0
+    for tokens, fraction in curriculum:
+        end += fraction
+        if step < round(end * steps):
+            return tokens
+    return prompt_tokens
 
 
 def encode(tok: Tokenizer, ex: TaskExample) -> tuple[list[int], list[int]]:
@@ -101,17 +164,18 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     tok = load_tokenizer(cfg.tokenizer)
     model = load_model(cfg.model.path) if cfg.model.path else build_model(cfg.model.random)
     check_vocab([tok.vocab_size - 1], model.config.vocab_size, "tokenizer vocab")
-    evals = [make_task(cfg.task, 10_000_000 + i, cfg.prompt_tokens, tok) for i in range(cfg.eval_examples)]
+    prompt_tokens, curriculum, options = cfg.settings()
+    evals = [make_task(cfg.task, 10_000_000 + i, prompt_tokens, tok, **options) for i in range(cfg.eval_examples)]
     before = task_reward(model, tok, cfg.task, evals)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * max(0.0, 1 - s / cfg.steps)
-    )
+    decay = (lambda s: max(0.0, 1 - s / cfg.steps)) if cfg.lr_schedule == "linear" else (lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * decay(s))
     t0, losses = time.perf_counter(), []
     model.train()
     for step in tqdm(range(cfg.steps), desc=f"sft {cfg.task}", disable=not progress):
-        pairs = [encode(tok, make_task(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, cfg.prompt_tokens, tok))
+        length = prompt_length(step, cfg.steps, prompt_tokens, curriculum)
+        pairs = [encode(tok, make_task(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, length, tok, **options))
                  for i in range(cfg.batch)]
         inputs, targets = _batch(pairs, tok.pad_id)
         # the LM head only where some row has an answer token (prompts are most of the sequence)
@@ -130,5 +194,5 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     after = task_reward(model, tok, cfg.task, evals)
     path = save_checkpoint(model, cfg.out)
     tail = losses[-20:]
-    return {"task": cfg.task, "reward_before": before, "reward_after": after, "final_loss": sum(tail) / len(tail),
+    return {"task": cfg.task, "prompt_tokens": prompt_tokens, "task_options": options, "reward_before": before, "reward_after": after, "final_loss": sum(tail) / len(tail),
             "steps": cfg.steps, "seconds": time.perf_counter() - t0, "checkpoint": str(path)}

@@ -5,7 +5,9 @@ import json
 import torch
 
 import longstraw as ls
-from longstraw.sft import SFTConfig, _batch, encode, run_sft
+import pytest
+
+from longstraw.sft import SFTConfig, _batch, encode, prompt_length, run_sft
 from longstraw.tasks import make_task
 from longstraw.tokenizer import ByteTokenizer
 from tests.conftest import tiny_config
@@ -35,3 +37,29 @@ def test_short_run_lowers_loss_and_writes_checkpoint(tmp_path):
     ids = torch.randint(0, 300, (1, 12))
     assert torch.isfinite(model(ids)).all()
     assert not list(tmp_path.glob(".ckpt.*"))  # no temporary directory left behind
+
+
+def test_curriculum_stages_then_prompt_tokens():
+    stages = [(190, 0.3), (200, 0.2)]
+    lengths = [prompt_length(s, 10, 256, stages) for s in range(10)]
+    assert lengths == [190] * 3 + [200] * 2 + [256] * 5
+    assert prompt_length(0, 10, 256, []) == 256
+    base = {"model": {"random": tiny_config("qwen3")}}
+    with pytest.raises(ValueError, match="curriculum"):
+        SFTConfig(**base, curriculum=[(190, 0.6), (200, 0.4)])  # no steps left at prompt_tokens
+    with pytest.raises(ValueError, match="unknown task"):
+        SFTConfig(**base, per_task={"nope": {"prompt_tokens": 300}})
+
+
+def test_per_task_settings_and_options_reach_the_task(tmp_path):
+    cfg = SFTConfig(
+        model={"random": tiny_config("qwen3", vocab_size=300, max_position_embeddings=1024)},
+        prompt_tokens=220, task_options={"key_chars": 2, "value_digits": 2}, curriculum=[(200, 0.5)],
+        per_task={"needle-count": {"prompt_tokens": 320, "curriculum": []}},
+        steps=4, batch=2, warmup=1, eval_examples=2, out=str(tmp_path / "ckpt"),
+    )
+    assert cfg.settings() == (220, [(200, 0.5)], {"key_chars": 2, "value_digits": 2})
+    r = run_sft(cfg, progress=False)
+    assert r["task_options"] == {"key_chars": 2, "value_digits": 2} and r["prompt_tokens"] == 220
+    needle = cfg.model_copy(update={"task": "needle-count"})
+    assert needle.settings() == (320, [], {})  # kv-retrieval's options are not passed to needle-count

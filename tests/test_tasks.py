@@ -147,3 +147,20 @@ def test_errors():
         make_task("needle-count", 0, -5, ByteTokenizer())
     with pytest.raises(KeyError, match="answer"):
         get_task("kv-retrieval").verify({}, "123")
+
+
+def test_kv_retrieval_options():
+    tok = ByteTokenizer()
+    ex = make_task("kv-retrieval", 4, 400, tok, key_chars=2, value_digits=3)
+    assert re.fullmatch(r"\d{3}", ex.answer) and re.fullmatch(r"k[0-9a-f]{2}", ex.meta["key"])
+    assert derive_answer("kv-retrieval", ex.prompt, ex) == ex.answer
+    assert abs(len(tok.encode(ex.prompt)) - 400) <= 20
+    # shorter lines: more pairs in the same length than with the defaults
+    assert ex.meta["num_pairs"] > make_task("kv-retrieval", 4, 400, tok).meta["num_pairs"]
+    # the defaults are the standard task
+    assert make_task("kv-retrieval", 4, 400, tok, key_chars=5, value_digits=6) == make_task("kv-retrieval", 4, 400, tok)
+    for bad in ({"key_chars": 1}, {"value_digits": 0}, {"key_chars": 2.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make_task("kv-retrieval", 4, 400, tok, **bad)
+    with pytest.raises(ValueError, match="distinct keys"):  # 2 hex chars: at most 256 keys
+        make_task("kv-retrieval", 4, 8000, tok, key_chars=2, value_digits=1)
