@@ -49,7 +49,9 @@ def _sft(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, SFTConfig)
     overrides = {k: v for k, v in {"task": args.task, "steps": args.steps, "out": args.out}.items() if v is not None}
     cfg = cfg.model_copy(update=overrides)
-    print(f"SFT warm start: task {cfg.task}, {cfg.prompt_tokens}-token prompts, {cfg.steps} steps of {cfg.batch}", flush=True)
+    tokens, _, options = cfg.settings()
+    print(f"SFT warm start: task {cfg.task} {options or ''}, {tokens}-token prompts, {cfg.steps} steps of {cfg.batch}",
+          flush=True)
     r = run_sft(cfg, progress=not args.no_progress)
     print(f"reward before {r['reward_before']:.3f} -> after {r['reward_after']:.3f} (final loss {r['final_loss']:.3f}, "
           f"{r['seconds']:.0f} s); checkpoint: {r['checkpoint']}")

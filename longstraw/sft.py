@@ -12,18 +12,15 @@ the copying skill carries over.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .config import ModelSpec
@@ -32,6 +29,7 @@ from .models import build_model, load_model
 from .rollout import rollout
 from .tasks import TaskExample, get_task, make_task
 from .tokenizer import Tokenizer, check_vocab, load_tokenizer
+from .train.checkpoint import write_weights
 
 
 Stage = tuple[int, float]  # (prompt tokens, fraction of the steps)
@@ -144,11 +142,7 @@ def save_checkpoint(model, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(model.config.raw, indent=2))
+    write_weights(model, tmp)
     old = out.with_name(out.name + ".old")
     if out.exists():
         os.replace(out, old)
