@@ -121,5 +121,20 @@ def regex_match(prompt_meta: dict, response_text: str) -> float:
     return 1.0 if re.search(need(prompt_meta, "pattern", "regex_match"), response_text) else 0.0
 
 
+@register_reward("digit_overlap")
+def digit_overlap(prompt_meta: dict, response_text: str) -> float:
+    """Partial credit for an integer answer: the share of positions at which the first number of the response
+    has the answer's digit, over the longer of the two (1.0 exactly when the numbers are equal). A denser signal
+    than exact match for a model that still garbles some digits; report accuracy (reward 1.0) beside it."""
+    answer = str(need(prompt_meta, "answer", "digit_overlap")).strip()
+    if not answer.isdigit():
+        raise ValueError(f"digit_overlap: meta['answer'] = {answer!r} is not a non-negative integer")
+    got = first_number(response_text)
+    if got is None or got < 0 or got != int(got):
+        return 0.0
+    digits = str(int(got))
+    return sum(a == b for a, b in zip(digits, answer)) / max(len(digits), len(answer))
+
+
 for _name, _task in TASKS.items():  # each task's verifier is a reward under the task's name
     register_reward(_name)(_task.verify)

@@ -114,3 +114,17 @@ def test_compute_rewards_counts_missing_meta(caplog):
 def test_compute_rewards_length_mismatch():
     with pytest.raises(ValueError, match="one meta per text"):
         compute_rewards(get_reward("exact_match"), [{}], ["a", "b"])
+
+
+def test_digit_overlap_gives_partial_credit_and_full_credit_only_when_exact():
+    from longstraw.rewards import get_reward
+
+    fn = get_reward("digit_overlap")
+    meta = {"answer": "123456"}
+    assert fn(meta, "123456") == 1.0
+    assert fn(meta, "the value is 123956.") == pytest.approx(5 / 6)
+    assert fn(meta, "12345") == pytest.approx(5 / 6)  # a missing digit costs its share
+    assert fn(meta, "1234567") == pytest.approx(6 / 7)  # so does an extra one
+    assert fn(meta, "no number") == 0.0 and fn(meta, "654321") == 0.0
+    with pytest.raises(ValueError, match="not a non-negative integer"):
+        fn({"answer": "abc"}, "1")
