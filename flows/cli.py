@@ -110,9 +110,8 @@ def serve(args: argparse.Namespace) -> int:
 def ui(args: argparse.Namespace) -> int:
     from .ui import serve_forever, start_ui
 
-    serve_forever(start_ui(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, host=args.host,
-                           backend_store_uri=args.mlflow_store))
-    return 0
+    return serve_forever(start_ui(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, host=args.host,
+                                  backend_store_uri=args.mlflow_store))
 
 
 def main(argv: list[str] | None = None) -> int:
