@@ -63,6 +63,8 @@ class TrainConfig(_Strict):
     task_options: dict = Field(default_factory=dict, description="extra options of the task generator")
     dataset: str | None = Field(None, description="JSONL of {prompt, answer, meta} (instead of a task)")
     prompt_tokens: int = Field(256, ge=16, description="length of generated task prompts")
+    task_pool: int | None = Field(None, ge=1, description="cycle through this many generated prompts (a fixed "
+                                  "training set); default: a new prompt for every group of every step")
     steps: int = Field(4, ge=1)
     groups: int = Field(2, ge=1, description="prompts per step (one GRPO group each)")
     responses: int = Field(8, ge=2, description="G: sampled answers per prompt")

@@ -29,8 +29,11 @@ def _dataset_example(path: str, index: int) -> TaskExample:
 
 
 def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> TaskExample:
+    index = step * cfg.groups + group
     if cfg.dataset is not None:
-        return _dataset_example(cfg.dataset, step * cfg.groups + group)
+        return _dataset_example(cfg.dataset, index)
+    if cfg.task_pool is not None:  # example k of the pool, whatever step it comes up in
+        step, group = divmod(index % cfg.task_pool, cfg.groups)
     return make_task(cfg.task, example_seed(cfg.seed, step, group), cfg.prompt_tokens, tok, **cfg.task_options)
 
 

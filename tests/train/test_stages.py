@@ -179,3 +179,13 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
     ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
                      old_logprobs=old, config=cfg.grpo)
     assert rel_err(got, flat_grad(model)) <= 1e-5
+
+
+def test_task_pool_cycles_through_a_fixed_set_of_prompts(tmp_path):
+    tok = load_tokenizer("byte")
+    cfg = make_cfg(tmp_path, groups=3, task_pool=6)
+    prompts = [[step_example(cfg, tok, s, g).prompt for g in range(3)] for s in range(4)]
+    assert prompts[2] == prompts[0] and prompts[3] == prompts[1] and prompts[1] != prompts[0]
+    assert len({p for row in prompts for p in row}) == 6
+    fresh = make_cfg(tmp_path, groups=3)
+    assert step_example(fresh, tok, 2, 0).prompt != step_example(fresh, tok, 0, 0).prompt
