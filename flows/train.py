@@ -80,6 +80,9 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
         (opt,) = _run_all("optimizer_stage", cfg, parent, [
             dict(checkpoint=checkpoint, grad_refs=grads, update=update + epoch, step=step)])
         checkpoint = opt["checkpoint"]
+        if not cfg.pipeline.keep_gradients:  # committed into the checkpoint; a resume starts from there
+            for g in grads:
+                Path(g["path"]).unlink(missing_ok=True)
 
     tokens = sum(r["tokens"] for r in replays)
     seconds = time.perf_counter() - t0

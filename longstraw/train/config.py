@@ -40,6 +40,8 @@ class PipelineConfig(_Strict):
     branches_per_task: int = Field(1, ge=1, description="branches one replay task replays")
     retries: int = Field(2, ge=0, description="retries of a stage on a transient error")
     retry_delay_seconds: float = Field(2.0, ge=0, description="first retry delay; doubles each retry")
+    keep_gradients: bool = Field(False, description="keep the per-task gradient files once the checkpoint they "
+                                 "went into is committed (they are as large as the model, per task)")
 
 
 class TrackingConfig(_Strict):

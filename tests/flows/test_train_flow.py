@@ -81,6 +81,8 @@ def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch)
     assert all(torch.equal(got[k], want[k]) for k in want)
     start = load_file(str(tmp_path / "run" / "checkpoints" / "update-000000" / "model.safetensors"))
     assert any(not torch.equal(start[k], want[k]) for k in want)  # training moved the weights
+    # gradient files go once their checkpoint is committed
+    assert not list((tmp_path / "run" / "steps").rglob("*.safetensors"))
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [h["step"] for h in history] == [0, 1]
 
