@@ -38,6 +38,10 @@ from .optim import build_optimizer, optimizer_step
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+# `peak_bytes` in the outputs is PeakMeter's: CUDA allocator peak, or on CPU the process's RSS peak while the
+# stage ran, which stages running at the same time in one process share.
+
+
 def _setup(cfg: TrainConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
