@@ -130,6 +130,17 @@ def _base_env() -> dict[str, str]:
     return env
 
 
+def _launch(name: str, cmd: list[str], env: dict[str, str], log: Path, health: str, timeout: float) -> subprocess.Popen:
+    """Start a server and wait until `health` answers; a server that does not come up is stopped again."""
+    proc = _spawn(cmd, env, log)
+    try:
+        _wait_healthy(name, proc, health, log, timeout)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc
+
+
 def start_prefect_server(port: int, home: str | os.PathLike | None = None, host: str = LOOPBACK, *,
                          logs: str | os.PathLike = DEFAULT_LOGS, timeout: float = 60.0
                          ) -> tuple[str, subprocess.Popen]:
@@ -147,14 +158,8 @@ def start_prefect_server(port: int, home: str | os.PathLike | None = None, host:
     log = Path(logs).resolve() / "prefect-server.log"
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
            "--analytics-off"]
-    proc = _spawn(cmd, env, log)
     api = f"http://{_client_host(host)}:{port}/api"
-    try:
-        _wait_healthy("Prefect server", proc, f"{api}/health", log, timeout)
-    except BaseException:
-        _stop(proc)
-        raise
-    return api, proc
+    return api, _launch("Prefect server", cmd, env, log, f"{api}/health", timeout)
 
 
 def start_mlflow_server(port: int, backend_store_uri: str | None = None, host: str = LOOPBACK, *,
@@ -181,14 +186,8 @@ def start_mlflow_server(port: int, backend_store_uri: str | None = None, host: s
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
            "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts_dir),
            "--workers", str(workers)]
-    proc = _spawn(cmd, _base_env(), log)
     uri = f"http://{_client_host(host)}:{port}"
-    try:
-        _wait_healthy("MLflow server", proc, f"{uri}/health", log, timeout)
-    except BaseException:
-        _stop(proc)
-        raise
-    return uri, proc
+    return uri, _launch("MLflow server", cmd, _base_env(), log, f"{uri}/health", timeout)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
