@@ -134,6 +134,19 @@ def document_prompt(intro: str, document: str, question: str) -> str:
     return f"{intro}\n\n<document>\n{document}\n</document>\n\n{question}"
 
 
+def filler_document(rng: random.Random, inserts: Sequence[tuple[float, str]], question: str,
+                    tokenizer: Tokenizer, target_tokens: int, task: str) -> tuple[str, int]:
+    """(prompt, its tokens): `inserts` placed in seed-determined filler grown to target_tokens, then `question`."""
+    filler = FillerStream(rng.getrandbits(64))
+
+    def render(n: int) -> str:
+        return document_prompt("Read the document, then answer the question after it.",
+                               filler.text(n, inserts), question)
+
+    text, _, tokens = fit_length(render, tokenizer, target_tokens, task)
+    return text, tokens
+
+
 # ---- lenient answer extraction -------------------------------------------------------------------------------
 
 _PREFIX = re.compile(r"^\s*(?:the\s+)?(?:final\s+)?answer\s*(?:is\b|:)\s*", re.IGNORECASE)

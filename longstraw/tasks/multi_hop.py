@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..tokenizer import Tokenizer
-from .base import WORDS, FillerStream, Task, TaskExample, document_prompt, first_word, fit_length, need
+from .base import WORDS, Task, TaskExample, filler_document, first_word, need
 
 NAME = "multi-hop"
 _ONSETS = "b d f g h k l m n p r s t v z br dr gr kr pr st tr th sh".split()
@@ -43,16 +43,10 @@ def make(seed: int, target_tokens: int, tokenizer: Tokenizer, hops: int | None =
         links += list(zip(part, part[1:]))
     # each statement at its own random place; shuffled, so reading order does not follow the chain
     inserts = [(rng.random(), f"{a} points to {b}.\n") for a, b in links]
-    filler = FillerStream(rng.getrandbits(64))
     start, answer = chain[0], chain[hops]
     question = (f'Question: each "X points to Y." links X to Y. Start at {start} and follow {hops} links. '
                 f"Which name do you reach? Answer with the name only.")
-
-    def render(n: int) -> str:
-        return document_prompt("Read the document, then answer the question after it.",
-                               filler.text(n, inserts), question)
-
-    text, n, tokens = fit_length(render, tokenizer, target_tokens, NAME)
+    text, tokens = filler_document(rng, inserts, question, tokenizer, target_tokens, NAME)
     meta = {"task": NAME, "answer": answer, "start": start, "hops": hops, "chain": chain, "num_links": len(links),
             "seed": seed, "target_tokens": target_tokens, "prompt_tokens": tokens}
     return TaskExample(prompt=text, answer=answer, meta=meta)

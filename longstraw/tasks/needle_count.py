@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from ..tokenizer import Tokenizer
-from .base import FillerStream, Task, TaskExample, document_prompt, first_number, fit_length, need
+from .base import Task, TaskExample, filler_document, first_number, need
 
 NAME = "needle-count"
 # each holds a word that is not a filler word, so filler can never form a needle by accident
@@ -25,15 +25,9 @@ def make(seed: int, target_tokens: int, tokenizer: Tokenizer) -> TaskExample:
     # short prompts get fewer needles so that filler still dominates the text
     count = rng.randint(1, max(2, min(10, target_tokens // 300)))
     inserts = [(rng.random(), needle + " ") for _ in range(count)]
-    filler = FillerStream(rng.getrandbits(64))
     question = (f'Question: how many times does the sentence "{needle}" appear in the document? '
                 f"Answer with a number only.")
-
-    def render(n: int) -> str:
-        return document_prompt("Read the document, then answer the question after it.",
-                               filler.text(n, inserts), question)
-
-    text, n, tokens = fit_length(render, tokenizer, target_tokens, NAME)
+    text, tokens = filler_document(rng, inserts, question, tokenizer, target_tokens, NAME)
     meta = {"task": NAME, "answer": str(count), "needle": needle, "seed": seed, "target_tokens": target_tokens,
             "prompt_tokens": tokens}
     return TaskExample(prompt=text, answer=str(count), meta=meta)
