@@ -20,13 +20,14 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker import report, run_worker  # noqa: E402
+
 MIB = 1024 * 1024
-RESULT_TAG = "GRPO_STEP_RESULT "
 
 # Benchmark modes -> (library mode, prompt_graph_budget). None = the library default (a quarter of free memory).
 MODES = {
@@ -199,22 +200,6 @@ def theory_cost(mode: str, p: int, g: int, r: int, recomputed: int | None = None
     return 3 * p + 3 * g * r + recomputed
 
 
-def run_one(params: dict, timeout: float | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(params)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**params, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            res = json.loads(line[len(RESULT_TAG) :])
-            res["process_seconds"] = time.perf_counter() - t0
-            return res
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-    return {**params, "error": f"worker exit {proc.returncode}: " + "\n".join(tail)}
-
-
 def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -374,7 +359,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         res = worker(json.loads(args.worker))
-        print(RESULT_TAG + json.dumps(res), flush=True)
+        report(res)
         return 0
 
     from longstraw.engine.capture import DEFAULT_CHUNK
@@ -420,7 +405,7 @@ def main(argv=None) -> int:
                     res = {**params, "skipped": skip}
                     print(f"[{n}/{total}] {mode:>15} P={p:<6} G={g:<3} skipped ({skip})", flush=True)
                 else:
-                    res = run_one(params, args.timeout)
+                    res = run_worker(__file__, params, args.timeout)
                     if "error" in res:
                         print(f"[{n}/{total}] {mode:>15} P={p:<6} G={g:<3} ERROR {res['error']}", flush=True)
                     else:

@@ -56,7 +56,8 @@ def main() -> None:
     for n in args.n:
         params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads}
         r = run_worker(__file__, params)
-        if r is None:
+        if "error" in r:
+            print(f"worker {params} failed: {r['error']}", flush=True)
             continue
         rows.append(r)
         print(f"{n:>4} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} "

@@ -73,7 +73,8 @@ def main() -> None:
         params = {"arch": args.arch, "P": p_len, "R": args.R, "threads": args.threads,
                   "overrides": {"num_attention_heads": args.heads}}
         r = run_worker(__file__, params)
-        if r is None:
+        if "error" in r:
+            print(f"worker {params} failed: {r['error']}", flush=True)
             continue
         rows.append(r)
         print(f"{p_len:>7} {r['state_bytes'] / MIB:>10.1f} {r['score_peak_bytes'] / MIB:>15.1f} "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 TAG = "BENCH_RESULT "
 
@@ -14,14 +16,20 @@ def report(result: dict) -> None:
     print(TAG + json.dumps(result), flush=True)
 
 
-def run_worker(script: str, params: dict) -> dict | None:
-    """Parent side: run `script --worker <params>`; the worker's result, or None (its stderr is printed)."""
-    out = subprocess.run([sys.executable, script, "--worker", json.dumps(params)], capture_output=True, text=True)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(TAG)), None)
+def run_worker(script: str, params: dict, timeout: float | None = None) -> dict:
+    """Parent side: run `script --worker <params>`. The worker's result with `process_seconds` added, or `params`
+    with an `error` (timeout, or the exit status and the tail of the worker's output)."""
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, os.path.abspath(script), "--worker", json.dumps(params)],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**params, "error": f"timed out after {timeout:.0f} s"}
+    line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith(TAG)), None)
     if line is None:
-        print(f"worker {params} failed:\n{out.stderr[-2000:]}", flush=True)
-        return None
-    return json.loads(line[len(TAG) :])
+        tail = (out.stderr or out.stdout).strip().splitlines()[-15:]
+        return {**params, "error": f"worker exit {out.returncode}: " + "\n".join(tail)}
+    return {**json.loads(line[len(TAG) :]), "process_seconds": time.perf_counter() - t0}
 
 
 def tiny_model(arch: str, max_positions: int, threads: int, **overrides):
