@@ -39,7 +39,7 @@ def _where(cfg: TrainConfig) -> None:
     from tasks.tracking import tracking_uri
 
     print(f"run dir: {Path(cfg.run_dir).resolve()}\nMLflow: {tracking_uri(cfg)} (experiment {cfg.tracking.experiment!r})"
-          f"\nstate store: {cfg.paths().store_url(cfg)}", flush=True)
+          f"\nstate store: {cfg.paths().store_url}", flush=True)
 
 
 def train(args: argparse.Namespace) -> int:

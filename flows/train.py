@@ -134,7 +134,7 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {
         "prefect.flow_run_id": str(flow_run.get_id()), "run_dir": str(run_dir.resolve()), "resumed_from_step": str(start)})
     logger.info("run dir %s, MLflow %s (parent run %s), state store %s; starting at step %d of %d",
-                run_dir.resolve(), tracking.tracking_uri(cfg), parent, cfg.paths().store_url(cfg), start, cfg.steps)
+                run_dir.resolve(), tracking.tracking_uri(cfg), parent, cfg.paths().store_url, start, cfg.steps)
     history_path, history = _history(cfg)
     history = [h for h in history if h["step"] < start]
     step_flow = grpo_step.with_options(task_runner=ThreadPoolTaskRunner(max_workers=cfg.pipeline.replay_concurrency))

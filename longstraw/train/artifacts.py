@@ -48,10 +48,9 @@ def verify(path: str | Path, sha256: str | None) -> Path:
     return path
 
 
-def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> str:
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    metadata = {"meta": json.dumps(meta or {})}
-    return _atomic(Path(path), lambda tmp: save_file(data, tmp, metadata=metadata))
+    return _atomic(Path(path), lambda tmp: save_file(data, tmp))
 
 
 def load_tensors(path: str | Path, sha256: str | None = None) -> dict[str, torch.Tensor]:

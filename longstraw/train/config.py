@@ -101,14 +101,15 @@ class TrainConfig(_Strict):
         return self.steps * self.epochs
 
     def paths(self) -> "RunPaths":
-        return RunPaths(Path(self.run_dir))
+        return RunPaths(Path(self.run_dir), self.store.url)
 
 
 class RunPaths:
-    """Where a run keeps its files; everything of a run lives under one directory."""
+    """Where a run keeps its files: under one directory, the store there too unless `store.url` points elsewhere."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, store_url: str | None = None):
         self.root = root
+        self.store_url = (store_url or str(root / "store")).rstrip("/")
 
     @property
     def checkpoints(self) -> Path:
@@ -119,9 +120,6 @@ class RunPaths:
 
     def step(self, step: int) -> Path:
         return self.root / "steps" / f"step-{step:06d}"
-
-    def store_url(self, cfg: TrainConfig) -> str:
-        return (cfg.store.url or str(self.root / "store")).rstrip("/")
 
     @property
     def tracking_uri(self) -> str:

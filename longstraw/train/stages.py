@@ -91,7 +91,7 @@ def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoc
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
     prompt = _prompt(cfg, step, group, model.config.vocab_size)
-    url = f"{cfg.paths().store_url(cfg)}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
+    url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
         save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
@@ -116,7 +116,7 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, 
                           seed=example_seed(cfg.seed, step, group))
     lengths = [s.tokens.numel() for s in samples]
     meta = {"finish_reasons": [s.finish_reason for s in samples], "texts": [tok.decode(s.tokens.tolist()) for s in samples]}
-    url = f"{cfg.paths().store_url(cfg)}/rollouts/step-{step:06d}/group-{group:03d}"
+    url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
     manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                             storage_options=cfg.store.storage_options)
     return {**_ref(url, _digest(manifest)), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
