@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import ARCHS  # noqa: E402
-from worker import report, run_worker, tiny_model  # noqa: E402
+from worker import parse_or_work, run_worker, tiny_model  # noqa: E402
 
 MIB = 2**20
 
@@ -43,12 +43,8 @@ def main() -> None:
     ap.add_argument("--P", type=int, default=16384, help="prompt tokens")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8], help="branches")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per branch")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/out/rollout.json")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        report(worker(json.loads(args.worker)))
+    args = parse_or_work(ap, "bench/out/rollout.json", worker)
+    if args is None:
         return
     rows = []
     print(f"rollout bench: arch={args.arch} P={args.P} new tokens={args.tokens} threads={args.threads}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import ARCHS  # noqa: E402
-from worker import report, run_worker, tiny_model  # noqa: E402
+from worker import parse_or_work, run_worker, tiny_model  # noqa: E402
 
 MIB = 2**20
 
@@ -60,12 +60,8 @@ def main() -> None:
     ap.add_argument("--P", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--heads", type=int, default=16, help="attention heads (more heads make heads x P visible)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/out/score_memory.json")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        report(worker(json.loads(args.worker)))
+    args = parse_or_work(ap, "bench/out/score_memory.json", worker)
+    if args is None:
         return
     rows = []
     print(f"{'P':>7} {'state MiB':>10} {'score peak MiB':>15} {'per-head K/V of one layer MiB':>30} {'capture s':>10} {'score s':>8}")

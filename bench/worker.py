@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -14,6 +15,19 @@ TAG = "BENCH_RESULT "
 def report(result: dict) -> None:
     """Worker side: hand the result to the parent on stdout."""
     print(TAG + json.dumps(result), flush=True)
+
+
+def parse_or_work(ap: argparse.ArgumentParser, out: str, worker) -> argparse.Namespace | None:
+    """Add the common --threads/--out/--worker options and parse. In the --worker role, run `worker` on the
+    given params, report its result and return None; else return the parent's arguments."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        report(worker(json.loads(args.worker)))
+        return None
+    return args
 
 
 def run_worker(script: str, params: dict, timeout: float | None = None) -> dict:
