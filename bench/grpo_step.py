@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from archs import ARCHS  # noqa: E402
 from worker import report, run_worker  # noqa: E402
 
 MIB = 1024 * 1024
@@ -39,66 +40,6 @@ MODES = {
 DEFAULT_MODES = ["naive", "detached", "exact", "exact-recompute"]
 
 
-def dense_config(max_pos: int) -> dict:
-    """A tiny Qwen3-type dense model (HF config.json layout)."""
-    return {
-        "model_type": "qwen3",
-        "vocab_size": 1024,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "max_position_embeddings": max_pos,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    }
-
-
-def qwen3_5_config(max_pos: int) -> dict:
-    """A tiny Qwen3.5 hybrid (qwen3_5_text layout): 4 layers = 3 Gated DeltaNet + 1 gated full attention."""
-    return {
-        **dense_config(max_pos),
-        "model_type": "qwen3_5_text",
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
-        "linear_conv_kernel_dim": 4,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    }
-
-
-def glm_moe_dsa_config(max_pos: int) -> dict:
-    """A tiny GLM-5 (glm_moe_dsa): 4 layers of MLA + DSA indexer (top-256), 1 dense then 3 MoE layers."""
-    return {
-        "model_type": "glm_moe_dsa",
-        "vocab_size": 1024,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "q_lora_rank": 64,
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 32,
-        "index_topk": 256,
-        "index_head_dim": 32,
-        "index_n_heads": 4,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "max_position_embeddings": max_pos,
-        "rms_norm_eps": 1e-5,
-    }
-
-
-ARCHS = {"dense": dense_config, "qwen3_5": qwen3_5_config, "glm_moe_dsa": glm_moe_dsa_config}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -117,7 +58,7 @@ def worker(params: dict) -> dict:
     import torch
 
     import longstraw as ls
-    from longstraw.engine.backward import kept_chunk_count
+    from longstraw.engine.budget import activation_bytes_per_token, kept_chunk_count
     from longstraw.engine.capture import chunk_ranges
     from longstraw.memory import free_bytes, peak_bytes, release_freed, reset_peak
 
@@ -180,7 +121,7 @@ def worker(params: dict) -> dict:
         "peak_state_bytes": stats["peak_state_bytes"],
         "loss": stats["loss"],
         "grad_norm": grad_norm,
-        "activation_bytes_per_token": model.activation_bytes_per_token(),
+        "activation_bytes_per_token": activation_bytes_per_token(model),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
 

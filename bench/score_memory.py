@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_step import ARCHS  # noqa: E402
+from archs import ARCHS  # noqa: E402
 from worker import parse_or_work, run_worker, tiny_model  # noqa: E402
 
 MIB = 2**20

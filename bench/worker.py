@@ -51,7 +51,7 @@ def tiny_model(arch: str, max_positions: int, threads: int, **overrides):
     import torch
 
     import longstraw as ls
-    from grpo_step import ARCHS
+    from archs import ARCHS
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

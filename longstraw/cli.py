@@ -33,7 +33,7 @@ def _step(args: argparse.Namespace) -> int:
 
 
 def _state_size(args: argparse.Namespace) -> int:
-    from .models.checkpoint import read_config
+    from .models import read_config
     from .state_size import format_state_size, state_size
 
     report = state_size(read_config(args.config), args.tokens, args.dtype, args.chunk)
@@ -44,7 +44,7 @@ def _state_size(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .sft import SFTConfig, run_sft
+    from .train.sft import SFTConfig, run_sft
 
     cfg = load_config(args.config, SFTConfig)
     overrides = {k: v for k, v in {"task": args.task, "steps": args.steps, "out": args.out}.items() if v is not None}

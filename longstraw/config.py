@@ -5,13 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, TypeVar
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .grpo import GRPOConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                                  "float64": torch.float64}
+SHORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 C = TypeVar("C", bound=BaseModel)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name (float32, bfloat16, ... or fp32, bf16, ...)."""
+    full = SHORT_DTYPES.get(name, name)
+    if full not in DTYPES:
+        raise ValueError(f"dtype {name!r} unknown; use one of {sorted([*DTYPES, *SHORT_DTYPES])}")
+    return DTYPES[full]
 
 
 class ModelSpec(BaseModel):

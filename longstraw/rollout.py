@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .engine.checks import check_state
-from .state import PrefixState, RecurrentState, Segment
+from .models.protocol import PrefixLM
+from .state import DecodeCache, PrefixState, PrefixView, Segment
 
 
 @dataclass
@@ -39,7 +39,7 @@ def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 @torch.no_grad()
 def rollout(
-    model: nn.Module,
+    model: PrefixLM,
     state: PrefixState,
     *,
     n: int,
@@ -76,21 +76,19 @@ def rollout(
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
     gens = [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
-    cache = model.empty_cache(n, max_new_tokens, p.dtype, p.device)
-    # recurrent layers: per-branch copies (fixed size); per-token layers: the shared state itself
-    prefix = [s.expand_rows(n) if isinstance(s, RecurrentState) else s for s in state.layers]
+    cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
+    # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces
+    prefix = [s.for_branches(n) for s in state.layers]
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     tokens = torch.full((n, 1), state.last_token, dtype=torch.long, device=device)
     out_tokens, out_logps = [], []
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        seg = Segment(start=state.length + t, prefix=prefix, prefix_len=state.length, cache=cache, cache_len=t,
-                      collect=True)
+        cache.filled = t
+        seg = Segment(start=state.length + t, prefix=PrefixView(prefix, state.length), cache=cache, collect=True)
         logits = model(tokens, seg)[:, -1].float()
-        for i, new in seg.emitted.items():
-            if isinstance(new, RecurrentState):
-                prefix[i] = new
+        prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
         logp = torch.log_softmax(logits, dim=-1)
         if temperature == 0:
             nxt = logits.argmax(-1)

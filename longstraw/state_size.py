@@ -4,29 +4,33 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .engine.backward import sqrt_interval
-from .models import config_from_hf
+import torch
 
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+from .config import torch_dtype
+from .engine.backward import sqrt_interval
+from .models.registry import build
 
 
 def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2048) -> dict:
     """Sizes for a prompt of `tokens` tokens (the state covers tokens-1 of them; we count `tokens` for round
-    figures). Exact mode needs the same again for dState, plus the fixed state at every prompt-chunk boundary."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_BYTES)}")
+    figures). Exact mode needs the same again for dState, plus the fixed state at every prompt-chunk boundary.
+
+    The layout is the model's own: its layers' `empty_state`, built on the meta device (no memory, no weights)."""
+    state_dtype = torch_dtype(dtype)
     if tokens < 1 or chunk < 1:
         raise ValueError("tokens and chunk must be >= 1")
-    cfg = config_from_hf(hf_config)
-    nbytes = DTYPE_BYTES[dtype]
+    with torch.device("meta"):
+        model = build(hf_config)
+    cfg = model.config
+    states = model.empty_state(1, state_dtype, "meta")
     kinds: OrderedDict[str, dict] = OrderedDict()
-    for spec in cfg.state_spec():
-        k = kinds.setdefault(spec.kind, {"layers": 0, "bytes_per_token": 0, "fixed_bytes": 0})
+    for st in states:
+        k = kinds.setdefault(st.description, {"layers": 0, "bytes_per_token": 0, "fixed_bytes": 0})
         k["layers"] += 1
-        k["bytes_per_token"] += spec.per_token * nbytes
-        k["fixed_bytes"] += spec.fixed * nbytes + spec.fixed_fp32 * 4
+        k["bytes_per_token"] += st.bytes_per_token
+        k["fixed_bytes"] += st.fixed_bytes
     per_token = sum(k["bytes_per_token"] for k in kinds.values())
-    nograd = sum(spec.per_token_nograd for spec in cfg.state_spec()) * nbytes
+    grad_per_token = sum(st.grad_buffer().bytes_per_token for st in states)
     fixed = sum(k["fixed_bytes"] for k in kinds.values())
     chunks = -(-tokens // chunk)
     total = per_token * tokens + fixed
@@ -39,8 +43,8 @@ def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2
         "bytes_per_token": per_token,
         "fixed_bytes": fixed,
         "total_bytes": total,
-        "bytes_per_token_nograd": nograd,
-        "exact_grad_bytes": (per_token - nograd) * tokens + fixed,
+        "bytes_per_token_nograd": per_token - grad_per_token,
+        "exact_grad_bytes": grad_per_token * tokens + fixed,
         "exact_boundary_bytes": fixed * chunks,
         # with boundary_every = ceil(sqrt(chunks)): stored every n-th plus at most n regenerated at a time
         "exact_sparse_boundary_every": (every := sqrt_interval(chunks)),

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .config import StepConfig
+from .config import StepConfig, torch_dtype
 from .engine.backward import grpo_backward
 from .memory import PeakMeter
 from .models import build_model, load_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -25,7 +23,7 @@ def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[tor
 def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    dtype = DTYPES[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     torch.manual_seed(cfg.seed)
     spec = cfg.model
     model = load_model(spec.path, dtype=dtype) if spec.path else build_model(spec.random, dtype=dtype)

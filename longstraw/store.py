@@ -21,28 +21,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Iterable
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import torch
 import zarr
+from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from .state import AttentionState, LatentState, LayerState, PrefixState, RecurrentState
+from .files import atomic_output, sha256_bytes, write_bytes
+from .state import STATE_KINDS, LayerState, PrefixState
 
 FORMAT = "longstraw.prefix_state"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _UINT_VIEW = {torch.bfloat16: torch.uint16}
 _UINT_VIEW.update({getattr(torch, n): torch.uint8 for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)})
-_FIELDS = {"attention": ("k", "v"), "latent": ("kv", "index_k"), "recurrent": ("conv", "ssm")}
-_CLASSES = {"attention": AttentionState, "latent": LatentState, "recurrent": RecurrentState}
 
 
 def weights_version(model: nn.Module) -> str:
@@ -51,16 +48,12 @@ def weights_version(model: nn.Module) -> str:
     It reads every weight once (copying GPU parameters to the host one at a time): seconds for a large model, so
     compute it once per weights update and pass the string around, not once per prompt.
     """
-    h = hashlib.sha256()
+    h = hashlib.sha256()  # over tensors in memory (no file to hash); the same sha256 as everything stored
     for name, p in model.named_parameters():
         t = p.detach().cpu().contiguous().reshape(-1)
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
         h.update(t.view(torch.uint8).numpy())
     return h.hexdigest()
-
-
-def _kind(layer: LayerState) -> str:
-    return {AttentionState: "attention", LatentState: "latent", RecurrentState: "recurrent"}[type(layer)]
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -92,7 +85,7 @@ class _ChecksumStore(WrapperStore):
         return type(self)(store, self.sums, self.url, self.verify, self.what)
 
     async def set(self, key, value) -> None:
-        self.sums[key] = hashlib.sha256(value.to_bytes()).hexdigest()
+        self.sums[key] = sha256_bytes(value.to_bytes())
         await self._store.set(key, value)
 
     async def set_if_not_exists(self, key, value) -> None:
@@ -110,7 +103,7 @@ class _ChecksumStore(WrapperStore):
         what = f"{'shard' if '/c/' in key else 'metadata file'} {key!r}"
         if buf is None:
             raise ValueError(f"{self.what} at {self.url}: {what} is missing")
-        if hashlib.sha256(buf.to_bytes()).hexdigest() != self.sums[key]:
+        if sha256_bytes(buf.to_bytes()) != self.sums[key]:
             raise ValueError(f"{self.what} at {self.url}: {what} is corrupted (sha256 differs from the manifest)")
         return buf if byte_range is None else await self._store.get(key, prototype, byte_range)
 
@@ -172,7 +165,7 @@ def save_state(
 ) -> dict:
     """Store `state` at `url` and return its manifest.
 
-    Everything is written under a temporary sibling name (`{url}.tmp-*`), moved into place, and only then
+    Everything is written under a temporary sibling name (`.{name}.tmp-*`), moved into place, and only then
     `manifest.json` is written there as the commit marker. A writer that dies leaves nothing committed at `url`.
     A state already committed there stays readable while the new one is written beside it; then it is moved
     aside (`{url}.old-*`), the new one moved in and committed, and the old one deleted. A writer killed inside
@@ -187,14 +180,10 @@ def save_state(
         prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
         layers = []
         for i, layer in enumerate(state.layers):
-            kind = _kind(layer)
             group = root.require_group("layers").require_group(str(i))
-            arrays = {}
-            for field in _FIELDS[kind]:
-                t = getattr(layer, field)
-                if t is not None:
-                    arrays[field] = _write_tensor(group, field, t, None if kind == "recurrent" else shard_tokens)
-            layers.append({"kind": kind, "arrays": arrays})
+            shard = None if layer.token_axis is None else shard_tokens  # fixed-size states: one chunk
+            arrays = {name: _write_tensor(group, name, t, shard) for name, t in layer.named_tensors().items()}
+            layers.append({"kind": layer.kind, "arrays": arrays})
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -211,65 +200,25 @@ def save_state(
 
 
 def _write_committed(url: str, storage_options: dict | None, write) -> dict:
-    """Run `write(root_group) -> manifest` under a temporary name, then swap it in and commit the manifest (with
-    the checksums of every file written) as the last step."""
-    url = url.rstrip("/")
-    tag = uuid.uuid4().hex[:12]
-    tmp_url = f"{url}.tmp-{tag}"
-    fs, final = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    tmp = fs._strip_protocol(tmp_url)
+    """Run `write(root_group) -> manifest` into a temporary sibling, swap it in at `url`, and commit the manifest
+    (with the checksums of every file written) as the last step, inside the swap (`files.atomic_output`)."""
+    fs, final = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
     sums: dict[str, str] = {}
-    try:
-        store = _ChecksumStore(_zarr_store(tmp_url, storage_options, read_only=False), sums, url)
-        manifest = write(zarr.open_group(store, mode="w", zarr_format=3))
-        manifest["checksums"] = dict(sorted(sums.items()))
-        _commit(fs, tmp, final, tag, json.dumps(manifest, indent=1).encode())
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp, recursive=True)
-        raise
-    return manifest
+    out: dict = {}
+
+    def commit(root: str) -> None:
+        _write_manifest(fs, root, json.dumps(out, indent=1).encode())
+
+    with atomic_output(final, fs=fs, commit=commit) as tmp:
+        store = _ChecksumStore(_zarr_store(fs.unstrip_protocol(tmp), storage_options, read_only=False), sums, url)
+        out.update(write(zarr.open_group(store, mode="w", zarr_format=3)))
+        out["checksums"] = dict(sorted(sums.items()))
+    return out
 
 
-def _move(fs, src: str, dst: str) -> None:
-    if _is_local(fs):
-        os.rename(src, dst)  # atomic on one filesystem
-    else:
-        fs.mv(src, dst, recursive=True)
-
-
-def _commit(fs, tmp: str, final: str, tag: str, manifest: bytes) -> None:
-    """Swap the written data at `tmp` in at `final`, then commit it. A process killed between the two moves leaves
-    the previous state at `{final}.old-{tag}` (committed) and nothing committed at `final`; an exception undoes
-    the swap."""
-    old = f"{final}.old-{tag}"
-    had_old = fs.exists(final)
-    if had_old:
-        _move(fs, final, old)
-    try:
-        _move(fs, tmp, final)
-        _write_manifest(fs, final, tag, manifest)
-    except BaseException:
-        if fs.exists(final):
-            _move(fs, final, tmp)  # the caller removes it
-        if had_old:
-            _move(fs, old, final)
-        raise
-    if had_old:
-        fs.rm(old, recursive=True)
-
-
-def _write_manifest(fs, root: str, tag: str, manifest: bytes) -> None:
+def _write_manifest(fs, root: str, manifest: bytes) -> None:
     """The commit marker, written whole: readers never see a partial manifest."""
-    path = f"{root}/{MANIFEST}"
-    if _is_local(fs):
-        with open(f"{path}.{tag}", "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(f"{path}.{tag}", path)
-    else:
-        fs.pipe_file(path, manifest)  # object stores put whole objects
+    write_bytes(f"{root}/{MANIFEST}", manifest, fs)
 
 
 def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str, int] = (FORMAT, FORMAT_VERSION),
@@ -337,10 +286,12 @@ def load_state(
     prompt_ids = read("prompt_ids", manifest["prompt_ids"], (...,))
     layers: list[LayerState] = []
     for i, spec in enumerate(manifest["layers"]):
-        kind = spec["kind"]
-        index = (...,) if kind == "recurrent" else (..., slice(a, b), slice(None))
-        tensors = {f: read(f"layers/{i}/{f}", s, index) for f, s in spec["arrays"].items()}
-        layers.append(_CLASSES[kind](**tensors))
+        if spec["kind"] not in STATE_KINDS:
+            raise ValueError(f"prefix state at {url}: layer {i} has unknown state kind {spec['kind']!r}; known: "
+                             f"{', '.join(STATE_KINDS)}")
+        kind = STATE_KINDS[spec["kind"]]
+        index = (...,) if kind.token_axis is None else (..., slice(a, b), slice(None))
+        layers.append(kind.from_tensors({f: read(f"layers/{i}/{f}", s, index) for f, s in spec["arrays"].items()}))
     chunks = [tuple(c) for c in manifest["chunks"]]
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"])
 

@@ -72,13 +72,13 @@ def _make(name: str, cached: bool = True) -> Task:
     )(run)
 
 
-TASKS: dict[str, Task] = {name: _make(name, cached=name != "init_run") for name in STAGES}
+STAGE_TASKS: dict[str, Task] = {name: _make(name, cached=name != "init_run") for name in STAGES}
 
 
 def configured(name: str, cfg: TrainConfig) -> Task:
     """The stage's task with this run's result storage and retry settings."""
     p = cfg.pipeline
-    return TASKS[name].with_options(
+    return STAGE_TASKS[name].with_options(
         result_storage=Path(cfg.run_dir).resolve() / "prefect-results",
         retries=p.retries,
         retry_delay_seconds=exponential_backoff(p.retry_delay_seconds) if p.retries else 0,

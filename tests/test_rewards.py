@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from longstraw.rewards import compute_rewards, get_reward, register_reward
-from longstraw.tasks import TASKS
+from longstraw.grpo.rewards import compute_rewards, get_reward, register_reward
+from longstraw.problems import PROBLEMS
 
 
 @pytest.mark.parametrize("text,answer,expected", [
@@ -44,7 +44,7 @@ def test_exact_and_regex_match():
 
 
 def test_task_verifiers_are_rewards():
-    for name, task in TASKS.items():
+    for name, task in PROBLEMS.items():
         assert get_reward(name) is task.verify
     assert get_reward("needle-count")({"answer": "4"}, " 4 ") == 1.0
 
@@ -117,7 +117,7 @@ def test_compute_rewards_length_mismatch():
 
 
 def test_digit_overlap_gives_partial_credit_and_full_credit_only_when_exact():
-    from longstraw.rewards import get_reward
+    from longstraw.grpo.rewards import get_reward
 
     fn = get_reward("digit_overlap")
     meta = {"answer": "123456"}

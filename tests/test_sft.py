@@ -7,15 +7,15 @@ import torch
 import longstraw as ls
 import pytest
 
-from longstraw.sft import SFTConfig, _batch, encode, prompt_length, run_sft
-from longstraw.tasks import make_task
-from longstraw.tokenizer import ByteTokenizer
+from longstraw.train.sft import SFTConfig, _batch, encode, prompt_length, run_sft
+from longstraw.problems import make_problem
+from longstraw.data.tokenizer import ByteTokenizer
 from tests.conftest import tiny_config
 
 
 def test_batch_masks_everything_but_the_answer():
     tok = ByteTokenizer()
-    pairs = [encode(tok, make_task("kv-retrieval", s, 220, tok)) for s in (1, 2)]
+    pairs = [encode(tok, make_problem("kv-retrieval", s, 220, tok)) for s in (1, 2)]
     inputs, targets = _batch(pairs, tok.pad_id)
     for (p, a), row, tgt in zip(pairs, inputs, targets):
         assert row[: len(p)].tolist() == p

@@ -171,7 +171,7 @@ def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkey
         save_state(old, str(url), weights_version=wv, shard_tokens=8)
     seen = []
 
-    def dying_commit(fs, root, tag, manifest):
+    def dying_commit(fs, root, manifest):
         # the data is in place, whole, and nothing there is committed yet
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
         assert not (url / "manifest.json").exists()

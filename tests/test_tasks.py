@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from longstraw.tasks import TASKS, TaskExample, get_task, make_task
-from longstraw.tokenizer import ByteTokenizer, HFTokenizer
+from longstraw.problems import PROBLEMS, Example, get_problem, make_problem
+from longstraw.data.tokenizer import ByteTokenizer, HFTokenizer
 
-NAMES = sorted(TASKS)
+NAMES = sorted(PROBLEMS)
 LENGTHS = [512, 1000, 4096, 16384]
 
 
@@ -43,7 +43,7 @@ def document(prompt: str) -> str:
     return m.group(1)
 
 
-def derive_answer(name: str, prompt: str, ex: TaskExample) -> str:
+def derive_answer(name: str, prompt: str, ex: Example) -> str:
     """Solve the task from the prompt text alone, with parsers independent of the generators."""
     doc = document(prompt)
     question = prompt.split("</document>")[1]
@@ -72,7 +72,7 @@ def derive_answer(name: str, prompt: str, ex: TaskExample) -> str:
 @pytest.mark.parametrize("name", NAMES)
 def test_length_and_answer(tokenizers, name, target, tok_name):
     tok = tokenizers[tok_name]
-    ex = make_task(name, seed=target, target_tokens=target, tokenizer=tok)
+    ex = make_problem(name, seed=target, target_tokens=target, tokenizer=tok)
     n = len(tok.encode(ex.prompt))
     assert abs(n - target) <= 0.05 * target, f"{n} tokens for target {target}"
     assert ex.meta["task"] == name and ex.meta["answer"] == ex.answer
@@ -82,9 +82,9 @@ def test_length_and_answer(tokenizers, name, target, tok_name):
 @pytest.mark.parametrize("name", NAMES)
 def test_deterministic_and_seed_dependent(tokenizers, name):
     tok = tokenizers["hf"]
-    a, b = make_task(name, 7, 2000, tok), make_task(name, 7, 2000, tok)
+    a, b = make_problem(name, 7, 2000, tok), make_problem(name, 7, 2000, tok)
     assert (a.prompt, a.answer, a.meta) == (b.prompt, b.answer, b.meta)
-    others = [make_task(name, s, 2000, tok) for s in (8, 9, 10)]
+    others = [make_problem(name, s, 2000, tok) for s in (8, 9, 10)]
     assert all(o.prompt != a.prompt for o in others)
     # answers vary with the seed too (not one fixed answer)
     assert len({o.answer for o in others + [a]}) > 1
@@ -92,7 +92,7 @@ def test_deterministic_and_seed_dependent(tokenizers, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_verifier(tokenizers, name):
-    task = get_task(name)
+    task = get_problem(name)
     for seed in range(5):
         ex = task.make(seed, 1500, tokenizers["byte"])
         for good in (ex.answer, f"  {ex.answer}\n", f"\n{ex.answer}\n\nbecause ...", f"Answer: {ex.answer}"):
@@ -104,63 +104,63 @@ def test_verifier(tokenizers, name):
 
 def test_verifier_leniency(tokenizers):
     tok = tokenizers["byte"]
-    kv = make_task("kv-retrieval", 3, 1000, tok)
+    kv = make_problem("kv-retrieval", 3, 1000, tok)
     key, value = kv.meta["key"], kv.answer
-    assert get_task("kv-retrieval").verify(kv.meta, f"The value of {key} is {value}.") == 1.0
-    assert get_task("kv-retrieval").verify(kv.meta, f"{key}: {int(value) - 1}") == 0.0
+    assert get_problem("kv-retrieval").verify(kv.meta, f"The value of {key} is {value}.") == 1.0
+    assert get_problem("kv-retrieval").verify(kv.meta, f"{key}: {int(value) - 1}") == 0.0
 
-    hop = make_task("multi-hop", 3, 1000, tok)
-    verify = get_task("multi-hop").verify
+    hop = make_problem("multi-hop", 3, 1000, tok)
+    verify = get_problem("multi-hop").verify
     assert verify(hop.meta, f"**{hop.answer.upper()}**.") == 1.0
     assert verify(hop.meta, f"The answer is {hop.answer.lower()}") == 1.0
     assert verify(hop.meta, f"{hop.meta['start']} then {hop.answer}") == 0.0
 
     meta = {"answer": "3"}
-    verify = get_task("needle-count").verify
+    verify = get_problem("needle-count").verify
     assert verify(meta, "three") == 1.0 and verify(meta, "It appears 3 times.") == 1.0
     assert verify(meta, "3.0") == 1.0 and verify(meta, "4") == 0.0 and verify(meta, "13") == 0.0
 
 
 def test_multi_hop_hops_option(tokenizers):
-    ex = make_task("multi-hop", 1, 3000, tokenizers["byte"], hops=5)
+    ex = make_problem("multi-hop", 1, 3000, tokenizers["byte"], hops=5)
     assert ex.meta["hops"] == 5 and "follow 5 links" in ex.prompt
     assert derive_answer("multi-hop", ex.prompt, ex) == ex.answer
     # the chain goes on past the answer: the answer itself points somewhere
     assert f"{ex.answer} points to " in ex.prompt
     with pytest.raises(ValueError, match="hops"):
-        make_task("multi-hop", 1, 3000, tokenizers["byte"], hops=0)
+        make_problem("multi-hop", 1, 3000, tokenizers["byte"], hops=0)
 
 
 def test_needle_count_varies():
     tok = ByteTokenizer()
-    counts = {make_task("needle-count", s, 8000, tok).answer for s in range(20)}
+    counts = {make_problem("needle-count", s, 8000, tok).answer for s in range(20)}
     assert len(counts) >= 3
 
 
 def test_errors():
     with pytest.raises(ValueError) as e:
-        get_task("nope")
+        get_problem("nope")
     assert all(n in str(e.value) for n in NAMES)
     with pytest.raises(ValueError, match="too small"):
-        make_task("kv-retrieval", 0, 10, ByteTokenizer())
+        make_problem("kv-retrieval", 0, 10, ByteTokenizer())
     with pytest.raises(ValueError, match="target_tokens"):
-        make_task("needle-count", 0, -5, ByteTokenizer())
+        make_problem("needle-count", 0, -5, ByteTokenizer())
     with pytest.raises(KeyError, match="answer"):
-        get_task("kv-retrieval").verify({}, "123")
+        get_problem("kv-retrieval").verify({}, "123")
 
 
 def test_kv_retrieval_options():
     tok = ByteTokenizer()
-    ex = make_task("kv-retrieval", 4, 400, tok, key_chars=2, value_digits=3)
+    ex = make_problem("kv-retrieval", 4, 400, tok, key_chars=2, value_digits=3)
     assert re.fullmatch(r"\d{3}", ex.answer) and re.fullmatch(r"k[0-9a-f]{2}", ex.meta["key"])
     assert derive_answer("kv-retrieval", ex.prompt, ex) == ex.answer
     assert abs(len(tok.encode(ex.prompt)) - 400) <= 20
     # shorter lines: more pairs in the same length than with the defaults
-    assert ex.meta["num_pairs"] > make_task("kv-retrieval", 4, 400, tok).meta["num_pairs"]
+    assert ex.meta["num_pairs"] > make_problem("kv-retrieval", 4, 400, tok).meta["num_pairs"]
     # the defaults are the standard task
-    assert make_task("kv-retrieval", 4, 400, tok, key_chars=5, value_digits=6) == make_task("kv-retrieval", 4, 400, tok)
+    assert make_problem("kv-retrieval", 4, 400, tok, key_chars=5, value_digits=6) == make_problem("kv-retrieval", 4, 400, tok)
     for bad in ({"key_chars": 1}, {"value_digits": 0}, {"key_chars": 2.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            make_task("kv-retrieval", 4, 400, tok, **bad)
+            make_problem("kv-retrieval", 4, 400, tok, **bad)
     with pytest.raises(ValueError, match="distinct keys"):  # 2 hex chars: at most 256 keys
-        make_task("kv-retrieval", 4, 8000, tok, key_chars=2, value_digits=1)
+        make_problem("kv-retrieval", 4, 8000, tok, key_chars=2, value_digits=1)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-import longstraw.tokenizer as tk
-from longstraw.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer, plain_chat
+import longstraw.data.tokenizer as tk
+from longstraw.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer, plain_chat
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

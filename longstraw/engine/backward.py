@@ -4,6 +4,10 @@ naive    every branch forwards prompt+response with autograd (the reference; G x
 detached capture once, replay branches with autograd; no gradient reaches the prompt
 exact    as detached, plus dLoss/dState summed over branches, back-propagated through the prompt chunk by
          chunk in reverse; equals naive up to rounding
+
+dState (`grad`, one buffer per layer, `PrefixState.grad_buffer()`) is what each layer kind's `leaf()` /
+`leaf_grad()` / `segment_grads()` make of it: per-token layers accumulate into it in place over all branches and
+later chunks; a fixed-size layer's entry is the gradient of its state at the current chunk boundary.
 """
 
 from __future__ import annotations
@@ -13,22 +17,24 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig, branch_loss, token_weights
 from ..memory import free_bytes
-from ..state import LayerState, PerTokenState, PrefixState, RecurrentState
-from .capture import capture, empty_state, recurrent_states, run_chunk, store_chunk
+from ..models.protocol import PrefixLM
+from ..state import LayerState, PrefixState, boundary_states
+from .budget import kept_chunk_count
+from .capture import capture, empty_state, run_chunk, store_chunk
 from .checks import as_ids, as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
 
 MODES = ("naive", "detached", "exact")
-Kept = tuple[dict[int, LayerState], dict[int, RecurrentState]]  # a chunk's outputs and its starting-state leaves
+Grad = dict[int, LayerState]  # dState: one buffer per layer
+Kept = tuple[dict[int, LayerState], list[LayerState]]  # a chunk's emitted state and the leaves it read
 
 
 def grpo_backward(
-    model: nn.Module,
+    model: PrefixLM,
     prompt_ids,
     responses: Sequence,
     advantages: Sequence[float] | torch.Tensor,
@@ -73,10 +79,9 @@ def grpo_backward(
             state = capture(model, prompt, cfg.prompt_chunk, progress=progress)
             grad, kept = None, {}
         state_bytes = state.nbytes
-        d_final = replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode)
+        replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode)
         if exact:
-            grad_bytes += sum(d.nbytes for d in d_final.values())
-            prompt_backward(model, state, grad, d_final, kept, progress)
+            prompt_backward(model, state, grad, kept, progress)
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -106,7 +111,7 @@ def _loss_backward(
 
 
 def naive_backward(
-    model: nn.Module, prompt: torch.Tensor, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
+    model: PrefixLM, prompt: torch.Tensor, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
     cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, totals: dict[str, float],
     progress: bool = False,
 ) -> None:
@@ -118,61 +123,43 @@ def naive_backward(
 
 
 def replay_backward(
-    model: nn.Module, state: PrefixState, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
-    cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
-    grad: dict[int, PerTokenState] | None, totals: dict[str, float], progress: bool = False, mode: str = "exact",
-) -> dict[int, RecurrentState]:
+    model: PrefixLM, state: PrefixState, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
+    cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, grad: Grad | None,
+    totals: dict[str, float], progress: bool = False, mode: str = "exact",
+) -> None:
     """Replay the branches on `state` with autograd and back-propagate their GRPO loss into the parameters.
 
-    With a `grad` buffer (exact mode) dLoss/dK,V of the prefix is added into it and the returned dict holds
-    dLoss/d(final recurrent state) per recurrent layer, both summed over these branches; without (detached mode)
-    the prefix gets no gradient and the dict is empty. Only the given branches run: `weights` and `adv` are the
-    whole group's, so a group may be split over several calls (or workers) whose results add up.
+    With a dState buffer `grad` (exact mode), dLoss/dState of these branches is added into it; without (detached
+    mode) the prefix gets no gradient. Only the given branches run: `weights` and `adv` are the whole group's, so
+    a group may be split over several calls (or workers) whose buffers add up.
     """
-    # recurrent states enter the branches as autograd leaves (views): their .grad sums over branches
-    prefix = None if grad is None else [s.leaf() if isinstance(s, RecurrentState) else s for s in state.layers]
+    leaves = None if grad is None else [s.leaf() for s in state.layers]
     with tqdm(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as pbar:
         for b in range(0, len(resp), cfg.branch_batch):
             idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
-            logps = replay_logprobs(model, state, [resp[i] for i in idx], grad, prefix)
+            logps = replay_logprobs(model, state, [resp[i] for i in idx], grad, leaves)
             _loss_backward(idx, logps, adv, weights, cfg, old, ref, totals)
             pbar.update(len(idx))
-    if prefix is None:
-        return {}
-    return {i: s.grads() for i, s in enumerate(prefix) if isinstance(s, RecurrentState)}
+    for i, leaf in enumerate(leaves or []):
+        if (g := leaf.leaf_grad()) is not None:
+            grad[i].add_(g)
 
 
-def stored_prompt_backward(
-    model: nn.Module, state: PrefixState, grad: dict[int, PerTokenState], d_final: dict[int, RecurrentState],
-    progress: bool = False,
-) -> None:
+def stored_prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, progress: bool = False) -> None:
     """`prompt_backward` for a state captured elsewhere (e.g. loaded from the store): every chunk is recomputed,
-    and recurrent boundary states are regenerated from the prompt's zero starting state."""
+    and boundary states are regenerated from the prompt's starting state."""
     if 0 not in state.boundaries:
         p = next(model.parameters())
-        zero = model.empty_state(0, p.dtype, p.device)  # recurrent layers start from zeros
-        state.boundaries[0] = {i: s for i, s in enumerate(zero) if isinstance(s, RecurrentState)}
-    prompt_backward(model, state, grad, d_final, {}, progress)
-
-
-def kept_chunk_count(model: nn.Module, chunks: list[tuple[int, int]], budget: int) -> int:
-    """How many final prompt chunks fit the graph budget (activation size is the model's own estimate)."""
-    per_token = model.activation_bytes_per_token()
-    kept, used = 0, 0
-    for s, e in reversed(chunks):
-        used += (e - s) * per_token
-        if used > budget:
-            break
-        kept += 1
-    return kept
+        state.boundaries[0] = boundary_states(model.empty_state(0, p.dtype, p.device))
+    prompt_backward(model, state, grad, {}, progress)
 
 
 def _capture_keeping_graphs(
-    model: nn.Module, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
-) -> tuple[PrefixState, dict[int, PerTokenState], dict[int, Kept]]:
+    model: PrefixLM, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
+) -> tuple[PrefixState, Grad, dict[int, Kept]]:
     """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
     graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`.
-    Recurrent states at every `boundary_every`-th chunk start are kept in state.boundaries."""
+    Boundary states at every `boundary_every`-th chunk start are kept in state.boundaries."""
     state = empty_state(model, prompt, cfg.prompt_chunk)
     grad = state.grad_buffer()
     free = free_bytes(next(model.parameters()).device)
@@ -182,11 +169,11 @@ def _capture_keeping_graphs(
     kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
         if i % every == 0 or i >= first_kept:
-            state.boundaries[i] = recurrent_states(state)
+            state.boundaries[i] = boundary_states(state.layers)
         if i >= first_kept:
             with torch.enable_grad():
-                emitted, leaves = _chunk_with_graph(model, state, i, grad)
-            kept[i] = (emitted, leaves)
+                kept[i] = _chunk_with_graph(model, state, i, grad)
+            emitted = kept[i][0]
         else:
             with torch.no_grad():
                 emitted = run_chunk(model, state, s, e)
@@ -205,8 +192,8 @@ def boundary_interval(chunks: int, fixed_bytes: int, budget: int) -> int:
     return 1 if chunks * fixed_bytes <= budget else sqrt_interval(chunks)
 
 
-def _ensure_boundary(model: nn.Module, state: PrefixState, i: int) -> None:
-    """Regenerate the recurrent states at the starts of chunks j+1..i from the nearest stored boundary j < i."""
+def _ensure_boundary(model: PrefixLM, state: PrefixState, i: int) -> None:
+    """Regenerate the boundary states at the starts of chunks j+1..i from the nearest stored boundary j < i."""
     if i in state.boundaries:
         return
     j = max(b for b in state.boundaries if b < i)
@@ -214,35 +201,25 @@ def _ensure_boundary(model: nn.Module, state: PrefixState, i: int) -> None:
         for c in range(j, i):
             prefix = [state.boundaries[c].get(k, layer) for k, layer in enumerate(state.layers)]
             emitted = run_chunk(model, state, *state.chunks[c], prefix)
-            state.boundaries[c + 1] = {
-                k: RecurrentState(new.conv[0], new.ssm[0]) for k, new in emitted.items() if isinstance(new, RecurrentState)
-            }
+            state.boundaries[c + 1] = {k: b for k, new in emitted.items() if (b := new.row(0).boundary()) is not None}
 
 
-def _chunk_with_graph(
-    model: nn.Module, state: PrefixState, i: int, grad: dict[int, PerTokenState]
-) -> tuple[dict[int, LayerState], dict[int, RecurrentState]]:
-    """Chunk i with autograd, its recurrent starting states as fresh leaves (so each chunk's graph stands alone)."""
+def _chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: Grad) -> Kept:
+    """Chunk i with autograd, reading leaves: its boundary states as fresh ones (so each chunk's graph stands
+    alone), the per-token rows before it as themselves (their gradient goes into `grad`)."""
     s, e = state.chunks[i]
-    leaves = {j: b.leaf() for j, b in state.boundaries[i].items()}
-    prefix = [leaves.get(j, layer) for j, layer in enumerate(state.layers)]
-    return run_chunk(model, state, s, e, prefix, grad), leaves
+    leaves = [state.boundaries[i].get(j, layer).leaf() for j, layer in enumerate(state.layers)]
+    return run_chunk(model, state, s, e, leaves, grad), leaves
 
 
-def prompt_backward(
-    model: nn.Module,
-    state: PrefixState,
-    grad: dict[int, PerTokenState],
-    d_final: dict[int, RecurrentState],
-    kept: dict[int, Kept],
-    progress: bool = False,
-) -> None:
+def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[int, Kept],
+                    progress: bool = False) -> None:
     """Back-propagate dLoss/dState through the prompt, last chunk first.
 
-    Chunk i's K/V get their final gradient grad[:, s:e] once all later chunks and all branches are done, and its
-    final recurrent states get `d_final` (from the branches, or from chunk i+1's starting-state leaves). Its
-    backward adds into grad[:, :s] (through the prefix attention), into its own starting-state leaves (which
-    become `d_final` for chunk i-1) and into the parameters.
+    Chunk i's per-token rows have their final gradient in grad[:, s:e] once all later chunks and all branches
+    are done, and a fixed-size layer's grad entry is the gradient of its state after chunk i. The chunk's
+    backward adds into the rows before it, into its boundary leaves (whose gradients become the fixed-size
+    layers' entries for chunk i-1) and into the parameters.
     """
     for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
         s, e = state.chunks[i]
@@ -256,9 +233,8 @@ def prompt_backward(
         outputs, grads = [], []
         for j, new in emitted.items():
             outputs += new.differentiable()
-            if isinstance(new, RecurrentState):
-                grads += [d_final[j].conv[None], d_final[j].ssm[None]]
-            else:
-                grads += grad[j].rows(s, e)
+            grads += grad[j].segment_grads(s, e)
         torch.autograd.backward(outputs, grads)
-        d_final = {j: leaf.grads() for j, leaf in leaves.items()}
+        for j, leaf in enumerate(leaves):
+            if (g := leaf.leaf_grad()) is not None:
+                grad[j] = g

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from ..state import LayerState, PerTokenState, PrefixState, RecurrentState, Segment
+from ..models.protocol import PrefixLM
+from ..state import LayerState, PrefixState, PrefixView, Segment
 from .checks import as_ids
 
 DEFAULT_CHUNK = 2048
@@ -19,25 +19,25 @@ def chunk_ranges(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def run_chunk(
-    model: nn.Module,
+    model: PrefixLM,
     state: PrefixState,
     start: int,
     end: int,
     prefix: list[LayerState] | None = None,
-    grad: dict[int, PerTokenState] | None = None,
+    grad: dict[int, LayerState] | None = None,
 ) -> dict[int, LayerState]:
     """Forward prompt[start:end] on the state of prompt[:start]; returns what each layer adds to the state.
 
-    `prefix` overrides the layers' starting states (exact mode passes recurrent boundary states as autograd
-    leaves); attention layers read state.layers K/V[:start]. Under autograd, `grad` receives dLoss/dK,V[:start].
+    `prefix` overrides the layers' states (exact mode passes boundary states as autograd leaves); per-token
+    layers read their rows [:start]. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
     """
     ids = state.prompt_ids[start:end][None]
-    seg = Segment(start=start, prefix=prefix or state.layers, prefix_len=start, grad=grad, collect=True)
-    model(ids, seg, logits_from=None)
+    seg = Segment(start=start, prefix=PrefixView(prefix or state.layers, start, grad), collect=True)
+    model.emit_states(ids, seg)
     return seg.emitted
 
 
-def empty_state(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int) -> PrefixState:
+def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int) -> PrefixState:
     p = next(model.parameters())
     n = prompt_ids.numel() - 1
     layers = model.empty_state(n, p.dtype, p.device)
@@ -45,22 +45,14 @@ def empty_state(model: nn.Module, prompt_ids: torch.Tensor, chunk_size: int) -> 
 
 
 def store_chunk(state: PrefixState, start: int, emitted: dict[int, LayerState]) -> None:
-    """Append a chunk's K/V to the attention buffers; recurrent layers move on to the chunk's final state."""
+    """Add a chunk's emitted state (batch row 0) to the prefix state."""
     for i, new in emitted.items():
-        if isinstance(new, RecurrentState):
-            state.layers[i] = RecurrentState(new.conv[0].detach(), new.ssm[0].detach())
-        else:
-            for buf, t in zip(state.layers[i].tensors(), new.tensors()):
-                buf.narrow(-2, start, t.shape[-2]).copy_(t[0])
-
-
-def recurrent_states(state: PrefixState) -> dict[int, RecurrentState]:
-    return {i: s for i, s in enumerate(state.layers) if isinstance(s, RecurrentState)}
+        state.layers[i] = state.layers[i].append(start, new.row(0))
 
 
 @torch.no_grad()
 def capture(
-    model: nn.Module,
+    model: PrefixLM,
     prompt_ids,
     chunk_size: int = DEFAULT_CHUNK,
     *,

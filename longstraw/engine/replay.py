@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from ..state import LayerState, PerTokenState, PrefixState, Segment
+from ..models.protocol import PrefixLM
+from ..state import LayerState, PrefixState, PrefixView, Segment
 from .checks import as_responses, check_positions, check_state
 
 
@@ -18,16 +18,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def replay_logprobs(
-    model: nn.Module,
+    model: PrefixLM,
     state: PrefixState,
     responses: list[torch.Tensor],
-    grad: dict[int, PerTokenState] | None = None,
+    grad: dict[int, LayerState] | None = None,
     prefix: list[LayerState] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
-    The state is read, never written; with `grad`, backward adds dLoss/dK,V into it. `prefix` overrides the
-    layers' starting states (exact mode passes recurrent states as autograd leaves, views of the state).
+    The state is read, never written; with `grad` (dState sinks), backward adds dLoss/dPrefix of the per-token
+    layers into it. `prefix` overrides the layers' states (exact mode passes `leaf()`s, views of the state).
     """
     device = state.prompt_ids.device
     longest = max(r.numel() for r in responses)
@@ -38,14 +38,14 @@ def replay_logprobs(
         inputs[i, 0] = state.prompt_ids[-1]
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
-    seg = Segment(start=state.length, prefix=prefix or state.layers, prefix_len=state.length, grad=grad)
+    seg = Segment(start=state.length, prefix=PrefixView(prefix or state.layers, state.length, grad))
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
     return [logp[i, : r.numel()] for i, r in enumerate(responses)]
 
 
 @torch.no_grad()
-def score(model: nn.Module, state: PrefixState, responses: Sequence, branch_batch: int = 1) -> list[torch.Tensor]:
+def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch: int = 1) -> list[torch.Tensor]:
     """Per-token log-probabilities of each response given the captured prompt (no autograd)."""
     check_state(model, state)
     resp = as_responses(responses, model.config.vocab_size)

@@ -1,13 +1,22 @@
-"""Read HF checkpoint directories: config.json plus model.safetensors or a sharded safetensors index."""
+"""HF checkpoint directories (config.json plus model.safetensors, or a sharded safetensors index): `load_model`
+reads them, `write_weights` writes them. Never pickle."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .registry import build
+
+log = logging.getLogger("longstraw")
 
 
 def read_config(path: str | Path) -> dict:
@@ -45,3 +54,86 @@ def iter_tensors(path: str | Path, device: str | torch.device = "cpu") -> Iterat
         with safe_open(str(f), framework="pt", device=str(device)) as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+# checkpoint prefixes that hold no text-model weights (vision tower, multi-token-prediction heads)
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+RENAMED_PREFIXES = {"model.language_model.": "model."}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _checkpoint_name(name: str, layers: int) -> str | None:
+    """Map a checkpoint key to our parameter name (None: not part of the text model)."""
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    for old, new in RENAMED_PREFIXES.items():
+        if name.startswith(old):
+            name = new + name[len(old) :]
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= layers:  # extra layers beyond num_hidden_layers are MTP heads
+        return None
+    return name
+
+
+def _fuse_experts(per_expert: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down checkpoint tensors -> fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    fused = {}
+    for prefix, experts in per_expert.items():
+        n = max(experts) + 1
+        missing = [e for e in range(n) if set(experts.get(e, {})) != {"gate", "up", "down"}]
+        if missing:
+            raise ValueError(f"{prefix}: experts {missing[:5]} lack some of gate/up/down_proj in the checkpoint")
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
+        fused[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
+    return fused
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Load an HF checkpoint directory (config.json + *.safetensors, sharded or not)."""
+    cfg = read_config(path)
+    with torch.device("meta"):
+        model = build(cfg)
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    tied = model.config.tie_word_embeddings
+    keep = model.fp32_suffixes
+    layers = model.config.num_hidden_layers
+    raw: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    ignored = 0
+    for key, t in iter_tensors(path, device):
+        name = _checkpoint_name(key, layers)
+        if name is None or (tied and name == "lm_head.weight"):
+            ignored += name is None
+            continue
+        if m := _EXPERT.match(name):
+            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            continue
+        raw[name] = t
+    raw.update(_fuse_experts(per_expert))
+    loaded: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name not in expected:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg['model_type']} model")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(expected[name].shape)}")
+        loaded[name] = t.to(torch.promote_types(dtype, torch.float32) if name.endswith(keep) else dtype)
+    if ignored:
+        log.info("ignored %d checkpoint tensors outside the text model (vision tower, MTP heads)", ignored)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device)
+
+
+def write_weights(model: nn.Module, directory: str | Path) -> None:
+    """config.json + model.safetensors in `directory`: the layout `load_model` (and transformers) read."""
+    directory = Path(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.config.raw, indent=2))

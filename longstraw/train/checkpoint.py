@@ -8,29 +8,18 @@ whole checkpoint or none. `trainer.json` is written last inside it and lists the
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..models import load_model
-from .artifacts import load_tensors, sha256_file
+from ..files import atomic_output, file_checksums, sha256_file
+from ..models import load_model, write_weights
+from .artifacts import load_tensors
 
 FORMAT = "longstraw-checkpoint/1"
-
-
-def write_weights(model: nn.Module, directory: Path) -> None:
-    """config.json + model.safetensors in `directory`: the layout `load_model` (and transformers) read."""
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(model.config.raw, indent=2))
 
 
 def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -47,36 +36,24 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `update` (optimizer updates done so far) atomically at `directory`."""
     final = Path(directory)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with atomic_output(final) as tmp_dir:
+        tmp = Path(tmp_dir)
+        tmp.mkdir()
         write_weights(model, tmp)
         # optimizer and RNG state beside, not among, the weights: loaders read every *.safetensors at the top
         (tmp / "trainer").mkdir()
         save_file(_optimizer_tensors(model, optimizer), str(tmp / "trainer" / "optimizer.safetensors"))
         save_file({"torch": torch.get_rng_state()}, str(tmp / "trainer" / "rng.safetensors"))
-        files = {str(f.relative_to(tmp)): sha256_file(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
         trainer = {
             "format": FORMAT,
             "update": update,
             "step": step,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "python_rng": _jsonable(random.getstate()),
-            "files": files,
+            "files": file_checksums(tmp),
             **extra,
         }
-        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
-        if final.exists():  # an earlier attempt of the same update: replace it whole
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))  # last: it lists the others
     return final
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from ..data import iter_jsonl
-from ..tasks import TaskExample, make_task
-from ..tokenizer import Tokenizer
+from ..data import Example, Tokenizer, iter_jsonl
+from ..problems import make_problem
 from .config import TrainConfig
 
 
@@ -16,7 +15,7 @@ def example_seed(seed: int, step: int, group: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _dataset_example(path: str, index: int) -> TaskExample:
+def _dataset_example(path: str, index: int) -> Example:
     """Example `index` of the JSONL file, wrapping around at the end (one streaming pass, two if it wraps)."""
     count = 0
     for i, ex in enumerate(iter_jsonl(path)):
@@ -28,15 +27,15 @@ def _dataset_example(path: str, index: int) -> TaskExample:
     return _dataset_example(path, index % count)
 
 
-def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> TaskExample:
+def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> Example:
     index = step * cfg.groups + group
     if cfg.dataset is not None:
         return _dataset_example(cfg.dataset, index)
     if cfg.task_pool is not None:  # example k of the pool, whatever step it comes up in
         step, group = divmod(index % cfg.task_pool, cfg.groups)
-    return make_task(cfg.task, example_seed(cfg.seed, step, group), cfg.prompt_tokens, tok, **cfg.task_options)
+    return make_problem(cfg.task, example_seed(cfg.seed, step, group), cfg.prompt_tokens, tok, **cfg.task_options)
 
 
-def prompt_ids(tok: Tokenizer, ex: TaskExample) -> list[int]:
+def prompt_ids(tok: Tokenizer, ex: Example) -> list[int]:
     """The prompt as the model sees it: a user turn in the tokenizer's chat format, ready for the answer."""
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": ex.prompt}]))

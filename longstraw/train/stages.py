@@ -10,33 +10,29 @@ The prompt runs once per step for the policy: the rollout samples from the captu
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 
 import torch
 from torch import nn
 
+from ..config import torch_dtype
+from ..data import check_vocab, load_tokenizer
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
 from ..engine.capture import capture
 from ..engine.replay import score
+from ..files import digest
 from ..grpo import group_advantages, token_weights
+from ..grpo.rewards import compute_rewards, get_reward
 from ..memory import PeakMeter
 from ..models import build_model, load_model
-from ..rewards import compute_rewards, get_reward
 from ..rollout import rollout
-from ..state import RecurrentState
 from ..store import ROLLOUT_FORMAT, load_state, read_manifest, save_rollout, save_state, weights_version
 from ..store import load_rollout as store_load_rollout
-from ..tokenizer import check_vocab, load_tokenizer
 from .artifacts import load_json, load_tensors, save_json, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
 from .config import TrainConfig
 from .data import example_seed, prompt_ids, step_example
 from .optim import build_optimizer, optimizer_step
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
 
 # `peak_bytes` in the outputs is PeakMeter's: CUDA allocator peak, or on CPU the process's RSS peak while the
 # stage ran, which stages running at the same time in one process share.
@@ -50,7 +46,7 @@ def _setup(cfg: TrainConfig) -> None:
 def _policy(cfg: TrainConfig, checkpoint: str) -> tuple[nn.Module, str]:
     """The model of a verified checkpoint, in eval mode, and its weights version."""
     meta = read_trainer(checkpoint)
-    model = load_model(checkpoint, dtype=DTYPES[cfg.dtype]).eval()
+    model = load_model(checkpoint, dtype=torch_dtype(cfg.dtype)).eval()
     return model, meta["weights_version"]
 
 
@@ -74,7 +70,7 @@ def init_run(cfg: TrainConfig) -> dict:
     latest = latest_checkpoint(paths.checkpoints)
     if latest is None:
         torch.manual_seed(cfg.seed)
-        dtype = DTYPES[cfg.dtype]
+        dtype = torch_dtype(cfg.dtype)
         model = load_model(cfg.model.path, dtype=dtype) if cfg.model.path else build_model(cfg.model.random, dtype)
         tok = load_tokenizer(cfg.tokenizer)
         check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
@@ -119,19 +115,14 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, 
     url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
     manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                             storage_options=cfg.store.storage_options)
-    return {**_ref(url, _digest(manifest)), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
+    return {**_ref(url, digest(manifest["checksums"])), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
             "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
-
-
-def _digest(manifest: dict) -> str:
-    """Content hash of a stored zarr artefact: the sha256 of its files' checksums."""
-    return hashlib.sha256(json.dumps(manifest["checksums"], sort_keys=True).encode()).hexdigest()
 
 
 def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
     opts = cfg.store.storage_options
-    if _digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")) != ref["sha256"]:
+    if digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")["checksums"]) != ref["sha256"]:
         raise ValueError(f"rollout at {ref['path']} is not the one this stage was given (content hash differs); "
                          f"re-run its rollout stage")
     return store_load_rollout(ref["path"], storage_options=opts)
@@ -203,11 +194,9 @@ def replay_stage(
         else:
             state = _load_state(cfg, model, version, state_url)
             grad = state.grad_buffer() if cfg.mode == "exact" else None
-            d_final = replay_backward(model, state, resp, adv, weights, cfg.grpo, old, ref, grad, totals, mode=cfg.mode)
+            replay_backward(model, state, resp, adv, weights, cfg.grpo, old, ref, grad, totals, mode=cfg.mode)
             for i, g in (grad or {}).items():
-                tensors |= {f"state.{i}.{j}": t for j, t in enumerate(g.tensors())}
-            for i, d in d_final.items():
-                tensors |= {f"final.{i}.conv": d.conv, f"final.{i}.ssm": d.ssm}
+                tensors |= {f"state.{i}.{name}": t for name, t in g.named_tensors().items()}
     tensors |= _grad_tensors(model)
     tokens = sum(r.numel() for r in resp)
     path = str(cfg.paths().step(step) / f"replay-g{group:03d}-e{epoch:02d}-b{branches[0]:04d}.safetensors")
@@ -226,18 +215,12 @@ def prompt_stage(cfg: TrainConfig, checkpoint: str, state_url: str, replay_refs:
     with PeakMeter() as m:
         state = _load_state(cfg, model, version, state_url)
         grad = state.grad_buffer()
-        d_final: dict[int, RecurrentState] = {}
         for r in replay_refs:  # in branch order, so every run sums the same way
             t = load_tensors(r["path"], r["sha256"])
             for i, g in grad.items():
-                for j, buf in enumerate(g.tensors()):
-                    buf += t[f"state.{i}.{j}"].to(buf)
-            for key in [k for k in t if k.startswith("final.") and k.endswith(".conv")]:
-                i = int(key.split(".")[1])
-                conv, ssm = t[key], t[f"final.{i}.ssm"]
-                d_final[i] = RecurrentState(conv, ssm) if i not in d_final else RecurrentState(
-                    d_final[i].conv + conv, d_final[i].ssm + ssm)
-        stored_prompt_backward(model, state, grad, d_final)
+                for name, buf in g.named_tensors().items():
+                    buf += t[f"state.{i}.{name}"].to(buf)
+        stored_prompt_backward(model, state, grad)
     path = str(cfg.paths().step(step) / f"prompt-g{group:03d}-e{epoch:02d}.safetensors")
     sha = save_tensors(path, _grad_tensors(model))
     return {**_ref(path, sha), "peak_bytes": m.peak_bytes, "seconds": m.seconds,
@@ -249,7 +232,7 @@ def optimizer_stage(cfg: TrainConfig, checkpoint: str, grad_refs: list[dict], up
     _setup(cfg)
     t0 = time.perf_counter()
     factory = lambda model: build_optimizer(model, cfg.optim)  # noqa: E731
-    model, optimizer, _ = load_checkpoint(checkpoint, factory, DTYPES[cfg.dtype])
+    model, optimizer, _ = load_checkpoint(checkpoint, factory, torch_dtype(cfg.dtype))
     params = dict(model.named_parameters())
     for r in grad_refs:
         for key, g in load_tensors(r["path"], r["sha256"]).items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import longstraw as ls
+from longstraw.engine.budget import activation_bytes_per_token
 from longstraw.grpo import token_weights
 from tests.conftest import flat_grad, rel_err, tiny_config, tiny_model
 
@@ -61,7 +62,7 @@ def test_exact_equals_naive_fp64(model_type, chunk):
 def test_graph_budget_and_branch_batch_keep_gradient(model_type, budget, branch_batch):
     model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group(prompt_len=50)
-    per_chunk = 7 * model.activation_bytes_per_token()
+    per_chunk = 7 * activation_bytes_per_token(model)
     bytes_ = {"zero": 0, "partial": 3 * per_chunk, "whole": 10**12}[budget]
     cfg = ls.GRPOConfig(prompt_chunk=7, prompt_graph_budget=bytes_, branch_batch=branch_batch)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
@@ -75,7 +76,7 @@ def test_sparse_boundaries_keep_gradient(every, budget):
     """Recurrent states kept only at every n-th chunk start, the rest regenerated during the prompt backward."""
     model = tiny_model("qwen3_5_text", dtype=torch.float64)
     prompt, responses = group(prompt_len=60)
-    bytes_ = {"zero": 0, "partial": 2 * 7 * model.activation_bytes_per_token()}[budget]
+    bytes_ = {"zero": 0, "partial": 2 * 7 * activation_bytes_per_token(model)}[budget]
     cfg = ls.GRPOConfig(prompt_chunk=7, prompt_graph_budget=bytes_, boundary_every=every)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
     g_exact, _ = grad_of(model, "exact", prompt, responses, config=cfg)
@@ -92,11 +93,11 @@ def test_boundary_interval():
 
 
 def test_kept_chunk_count_follows_budget():
-    from longstraw.engine.backward import kept_chunk_count
+    from longstraw.engine.budget import kept_chunk_count
 
     model = tiny_model()
     chunks = [(0, 7), (7, 14), (14, 21), (21, 24)]
-    per = model.activation_bytes_per_token()
+    per = activation_bytes_per_token(model)
     assert kept_chunk_count(model, chunks, 0) == 0
     assert kept_chunk_count(model, chunks, 3 * per) == 1
     assert kept_chunk_count(model, chunks, 10 * per) == 2

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 import longstraw as ls
 import longstraw.models.common.mla as mla_module
-from longstraw.state import LatentState, Segment
+from longstraw.engine.budget import activation_bytes_per_token
+from longstraw.state import LatentState, PrefixView, Segment
 from longstraw.state_size import state_size
 from tests.conftest import assert_same_parameters, flat_grad, rel_err
 
@@ -564,7 +565,7 @@ def test_absorbed_mla_equals_expanded(checkpoints, recorded_selections, name, sp
             for i in range(b):
                 prefix = [None] * len(ours.model.layers)
                 prefix[attn.layer_idx] = LatentState(own.kv[i], own.index_k[i])
-                seg_i = Segment(start=split, prefix=prefix, prefix_len=split)
+                seg_i = Segment(start=split, prefix=PrefixView(prefix, split))
                 outs.append(attn(x[i : i + 1, split:], rot(split, t - split, x.dtype, x.device), seg_i))
             got = torch.cat([first, torch.cat(outs)], dim=1)
     if name == "sparse":
@@ -723,7 +724,7 @@ def test_exact_equals_naive_fp64(naive_grads, kind, chunk):
 @pytest.mark.parametrize("kind", list(GRAD_KINDS))
 def test_exact_zero_graph_budget_and_branch_batch(naive_grads, monkeypatch, kind):
     model, (g_naive, _) = naive_grads(kind, torch.float64)
-    for budget in (0, 2 * 7 * model.activation_bytes_per_token()):
+    for budget in (0, 2 * 7 * activation_bytes_per_token(model)):
         g_exact, _ = grad_of(model, "exact", *grad_group(), prompt_chunk=7, prompt_graph_budget=budget, branch_batch=3)
         assert rel_err(g_exact, g_naive) <= 1e-10
     monkeypatch.setattr(mla_module, "KEY_BLOCK", 3)  # prefix index scores streamed in blocks of 3

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import longstraw as ls
 from longstraw.engine.replay import replay_logprobs
 from longstraw.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from longstraw.state import AttentionState, RecurrentState, Segment
+from longstraw.state import AttentionState, PrefixView, RecurrentState, Segment
 
 
 def reference_gated_delta(q, k, v, g, beta, initial_state=None):
@@ -289,7 +289,7 @@ def test_model_prefix_state_gradient(fp64_model_and_state, layer):
     prefix[layer] = leaf
     loss = replay_logprobs(model, state, [response], prefix=prefix)[0].sum()
     loss.backward()
-    grads = leaf.grads()
+    grads = leaf.leaf_grad()
     assert float(grads.ssm.abs().max()) > 1e-6
     assert float(grads.conv.abs().max()) > 1e-6
     model.zero_grad(set_to_none=True)
@@ -299,7 +299,7 @@ def test_model_prefix_state_gradient(fp64_model_and_state, layer):
     prefix2 = list(state.layers)
     prefix2[layer] = leaf2
     ids = torch.cat([state.prompt_ids[-1:], response[:-1]])[None]
-    seg = Segment(start=state.length, prefix=prefix2, prefix_len=state.length)
+    seg = Segment(start=state.length, prefix=PrefixView(prefix2, state.length))
     lp = torch.log_softmax(model(ids, seg), -1).gather(-1, response[None, :, None]).sum()
     lp.backward()
     assert torch.allclose(leaf2.ssm.grad, grads.ssm, rtol=1e-10, atol=1e-14)

@@ -15,7 +15,7 @@ from longstraw.train.checkpoint import load_checkpoint, read_trainer
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.optim import build_optimizer, lr_at
-from longstraw.tokenizer import load_tokenizer
+from longstraw.data.tokenizer import load_tokenizer
 from tests.conftest import flat_grad, rel_err, tiny_config
 
 ADV = [1.0, -0.5, 0.7, -1.2]

@@ -7,10 +7,11 @@ from torch import nn
 
 from ...ops.attention import decode_attention, segment_attention
 from ...state import AttentionState, Segment
+from .mixer import TokenMixer
 from .rope import apply_rotary
 
 
-class Attention(nn.Module):
+class Attention(TokenMixer):
     """q/k/v/o projections with HF names. `qk_norm`: a norm class applied per head to q and k (Qwen3);
     `gated`: q_proj packs [q | gate] per head and the output is multiplied by sigmoid(gate) (Qwen3.5)."""
 
@@ -43,11 +44,6 @@ class Attention(nn.Module):
         shape = (self.kv_heads, tokens, self.head_dim)
         return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
-    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> AttentionState:
-        """Per-branch K/V buffers for `tokens` generated tokens."""
-        shape = (rows, self.kv_heads, tokens, self.head_dim)
-        return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-
     def _kv(self, x: torch.Tensor, rope) -> AttentionState:
         b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
@@ -69,13 +65,13 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)
         kv = self._kv(x, rope)
         seg.emit(self.layer_idx, kv)
-        prefix = seg.prefix_kv(self.layer_idx)
+        rows, sink = seg.prefix_rows(self.layer_idx), seg.prefix_grad(self.layer_idx)
+        prefix = None if rows is None else (rows.k, rows.v)
         if seg.cache is not None:
-            c, end = seg.cache[self.layer_idx], seg.cache_len + t
-            c.k[:, :, seg.cache_len : end], c.v[:, :, seg.cache_len : end] = kv.k, kv.v
-            out = decode_attention(q, c.k[:, :, :end], c.v[:, :, :end], self.scale, prefix)
+            own = seg.cache.extend(self.layer_idx, kv)  # the branch's tokens so far, this one included
+            out = decode_attention(q, own.k, own.v, self.scale, prefix)
         else:
-            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, seg.prefix_grad(self.layer_idx))
+            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, None if sink is None else (sink.k, sink.v))
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))

@@ -1,10 +1,4 @@
-"""The decoder skeleton every family shares: embed -> layers (mixer + MLP, pre-norm residuals) -> norm -> head.
-
-A layer's token mixer (attention, Gated DeltaNet, MLA) implements the state protocol:
-    forward(x, rope, seg)       -> output, reading the prefix state from `seg` and emitting what it adds
-    emit_state(x, rope, seg)    -> only emit the state (the last layer during capture needs nothing else)
-    empty_state(n, dtype, device) -> its prefix state for n tokens
-"""
+"""The decoder skeleton every family shares: embed -> layers (mixer + MLP, pre-norm residuals) -> norm -> head."""
 
 from __future__ import annotations
 
@@ -12,6 +6,7 @@ import torch
 from torch import nn
 
 from ...state import LayerState, Segment
+from .mixer import TokenMixer
 from .rope import Rotary
 
 
@@ -21,7 +16,7 @@ class DecoderLayer(nn.Module):
     mixer_name = "self_attn"
 
     @property
-    def mixer(self) -> nn.Module:
+    def mixer(self) -> TokenMixer:
         return getattr(self, self.mixer_name)
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
@@ -41,12 +36,11 @@ class TextModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`forward(input_ids)` -> logits [B, T, V]. With a `Segment`, runs positions seg.start.. over a prefix state.
+    """The `PrefixLM` of every family (models/protocol.py). `forward(input_ids)` -> logits [B, T, V]; with a
+    `Segment`, positions seg.start.. over a prefix state. A family passes its layer class, final norm class and
+    rotary dims."""
 
-    `logits_from` limits the LM head to positions >= it (GRPO scores only responses); `logits_from=None`
-    skips the head entirely (prompt capture only needs each layer's state).
-    A family passes its layer class, final norm class and rotary dims.
-    """
+    fp32_suffixes: tuple[str, ...] = ()
 
     def __init__(self, cfg, layer: type[DecoderLayer], norm: type[nn.Module], rotary_dim: int) -> None:
         super().__init__()
@@ -56,25 +50,31 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device) -> list[LayerState]:
+    def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> list[LayerState]:
         return [layer.mixer.empty_state(tokens, dtype, device) for layer in self.model.layers]
 
-    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerState]:
-        """Per-branch buffers for decoding `tokens` tokens, for the layers with per-token state."""
-        mixers = [layer.mixer for layer in self.model.layers]
-        return {i: m.empty_cache(rows, tokens, dtype, device) for i, m in enumerate(mixers) if hasattr(m, "empty_cache")}
+    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device | str
+                    ) -> dict[int, LayerState]:
+        """Per-branch buffers for decoding `tokens` tokens, for the layers whose state grows with tokens."""
+        states = self.empty_state(tokens, dtype, device)
+        return {i: buf for i, s in enumerate(states) if (buf := s.decode_buffer(rows)) is not None}
 
-    def forward(
-        self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int | None = 0
-    ) -> torch.Tensor | None:
+    def _start(self, input_ids: torch.Tensor, seg: Segment):
+        x = self.model.embed_tokens(input_ids)
+        return x, self.model.rotary_emb(seg.start, input_ids.shape[1], x.dtype, x.device)
+
+    def forward(self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int = 0) -> torch.Tensor:
+        """`logits_from` limits the LM head to positions >= it (GRPO scores only responses)."""
         seg = seg or Segment()
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        rope = m.rotary_emb(seg.start, input_ids.shape[1], x.dtype, x.device)
-        last = len(m.layers) - 1
-        for i, layer in enumerate(m.layers):
-            if logits_from is None and i == last:
-                layer.mixer.emit_state(layer.input_layernorm(x), rope, seg)
-                return None
+        x, rope = self._start(input_ids, seg)
+        for layer in self.model.layers:
             x = layer(x, rope, seg)
-        return self.lm_head(m.norm(x[:, logits_from:]))
+        return self.lm_head(self.model.norm(x[:, logits_from:]))
+
+    def emit_states(self, input_ids: torch.Tensor, seg: Segment) -> None:
+        """Prompt capture: every layer emits its state into `seg`; the last one skips its output, and no LM head."""
+        x, rope = self._start(input_ids, seg)
+        *layers, last = self.model.layers
+        for layer in layers:
+            x = layer(x, rope, seg)
+        last.mixer.emit_state(last.input_layernorm(x), rope, seg)

@@ -8,10 +8,11 @@ from torch import nn
 
 from ...ops.gated_delta import gated_delta_rule
 from ...state import RecurrentState, Segment
+from .mixer import TokenMixer
 from .norm import GatedRMSNorm
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(TokenMixer):
     def __init__(
         self,
         layer_idx: int,

@@ -14,7 +14,6 @@ dense and runs on the flash path instead.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from torch import nn
 from ...ops.attention import decode_attention, segment_attention
 from ...ops.sparse_attention import KEY_BLOCK, select_topk, sparse_latent_attention
 from ...state import LatentState, Segment
+from .mixer import TokenMixer
 from .norm import RMSNorm
 from .rope import apply_rotary_interleaved
 
@@ -71,7 +71,7 @@ class Indexer(nn.Module):
         return s
 
 
-class MLAttention(nn.Module):
+class MLAttention(TokenMixer):
     def __init__(self, layer_idx: int, cfg, has_indexer: bool) -> None:
         super().__init__()
         self.layer_idx, self.heads = layer_idx, cfg.num_attention_heads
@@ -96,11 +96,6 @@ class MLAttention(nn.Module):
             ik = torch.empty(tokens, self.indexer.head_dim, dtype=dtype, device=device)
         return LatentState(kv, ik)
 
-    def empty_cache(self, rows: int, tokens: int, dtype: torch.dtype, device: torch.device) -> LatentState:
-        """Per-branch latent (and indexer key) buffers for `tokens` generated tokens."""
-        s = self.empty_state(tokens, dtype, device)
-        return LatentState(s.kv.expand(rows, -1, -1).clone(), None if s.index_k is None else s.index_k.expand(rows, -1, -1).clone())
-
     def _latent(self, x: torch.Tensor, rope) -> LatentState:
         """[c_kv | k_rope] of the segment's tokens [B, T, rank + rope] and (no grad) their indexer keys."""
         c, kr = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
@@ -119,7 +114,7 @@ class MLAttention(nn.Module):
         `causal`: own holds the segment's tokens (False when decoding: own is the branch so far, query last)."""
         n = 0 if prefix is None else prefix.kv.shape[0]
         if not hasattr(self, "indexer"):
-            return seg.scratch.get("dsa_topk")  # a "shared" layer reuses the last full indexer's selection
+            return seg.dsa_topk  # a "shared" layer reuses the last full indexer's selection
         sel = None
         if self.index_topk < n + own.kv.shape[1]:
             with torch.no_grad():
@@ -128,7 +123,7 @@ class MLAttention(nn.Module):
                 blocks = ((p0, self.indexer.scores(qw, prefix.index_k[p0 : p0 + KEY_BLOCK], False)) for p0 in range(0, n, KEY_BLOCK))
                 own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
                 sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
-        seg.scratch["dsa_topk"] = sel
+        seg.dsa_topk = sel
         return sel
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
@@ -143,15 +138,10 @@ class MLAttention(nn.Module):
 
         own = self._latent(x, rope)
         seg.emit(self.layer_idx, own)
-        pre = seg.prefix_latent(self.layer_idx)
-        prefix, grad = pre if pre is not None else (None, None)
+        prefix, grad = seg.prefix_rows(self.layer_idx), seg.prefix_grad(self.layer_idx)
         decoding = seg.cache is not None
         if decoding:  # own becomes the branch's tokens so far, this one included
-            c, end = seg.cache[self.layer_idx], seg.cache_len + t
-            c.kv[:, seg.cache_len : end] = own.kv
-            if c.index_k is not None:
-                c.index_k[:, seg.cache_len : end] = own.index_k
-            own = LatentState(c.kv[:, :end], None if c.index_k is None else c.index_k[:, :end])
+            own = seg.cache.extend(self.layer_idx, own)
         sel = self._select(x, q_resid, rope, own, prefix, seg, causal=not decoding)
         if sel is None:  # dense: one shared head whose values are the keys; keep the c_kv part of the output
             kv = own.kv[:, None]
@@ -170,13 +160,3 @@ class MLAttention(nn.Module):
         out = torch.einsum("bthc,hvc->bthv", o, w_uv)
         return self.o_proj(out.reshape(b, t, -1))
 
-
-def yarn_softmax_scale(qk_head_dim: int, rope) -> float:
-    """qk_head_dim^-0.5, times mscale^2 when YaRN sets mscale_all_dim (as transformers' GLM/DeepSeek)."""
-    scale = qk_head_dim**-0.5
-    m_all = rope.get("mscale_all_dim") if rope.rope_type != "default" else None
-    if m_all:
-        factor = rope.get("factor")
-        m = 0.1 * m_all * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= m * m
-    return scale

@@ -1,5 +1,13 @@
+"""The RMSNorm variants of the families; one normalisation body, `rms_normalize`."""
+
 import torch
 from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed (and returned) in at least fp32."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -11,10 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.promote_types(dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -26,23 +31,13 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
-        h = x.to(acc)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.to(acc))).to(x.dtype)
+        h = rms_normalize(x, self.eps)
+        return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """RMSNorm of the delta-rule output, then multiplied by silu(gate) (Qwen3.5 linear layers)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        acc = torch.promote_types(dtype, torch.float32)
-        h = x.to(acc)
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (h * torch.nn.functional.silu(gate.to(acc))).to(dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return (super().forward(x) * torch.nn.functional.silu(gate.to(acc))).to(x.dtype)

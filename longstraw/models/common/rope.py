@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import RopeConfig
-
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    # the remaining keys of HF `rope_parameters` (factor, low_freq_factor, ...), kept as given
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "RopeConfig":
+        # transformers >= 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`
+        rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rp.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rp.pop("rope_type", rp.pop("type", "default")) or "default"
+        return cls(theta=theta, rope_type=rope_type, params=tuple(sorted(rp.items())))
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -108,3 +127,14 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def yarn_softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """qk_head_dim^-0.5, times mscale^2 when YaRN sets mscale_all_dim (as transformers' GLM/DeepSeek)."""
+    scale = qk_head_dim**-0.5
+    m_all = rope.get("mscale_all_dim") if rope.rope_type != "default" else None
+    if m_all:
+        factor = rope.get("factor")
+        m = 0.1 * m_all * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return scale

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Iterator
 
-from .tasks import TaskExample
+from .example import Example
 
 _EXAMPLE = '{"prompt": "...", "answer": "42", "meta": {}}'
 
@@ -15,7 +15,7 @@ def _type(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _parse(obj: object, where: str) -> TaskExample:
+def _parse(obj: object, where: str) -> Example:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object like {_EXAMPLE}, got {_type(obj)}")
     if "prompt" not in obj:
@@ -44,11 +44,11 @@ def _parse(obj: object, where: str) -> TaskExample:
     else:
         raise ValueError(f"{where}: missing field 'answer' (a string); only examples scored by regex_match "
                          f"(with meta.pattern) may leave it out")
-    return TaskExample(prompt=prompt, answer=answer, meta=meta)
+    return Example(prompt=prompt, answer=answer, meta=meta)
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[TaskExample]:
-    """Yield one TaskExample per non-blank line, reading the file lazily (it may be larger than memory).
+def iter_jsonl(path: str | os.PathLike) -> Iterator[Example]:
+    """Yield one Example per non-blank line, reading the file lazily (it may be larger than memory).
 
     A malformed line raises ValueError naming the file, the line number and the problem when it is reached.
     Fields other than prompt/answer/meta are ignored.

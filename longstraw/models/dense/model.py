@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .common.attention import Attention
-from .common.decoder import CausalLM, DecoderLayer
-from .common.mlp import SwiGLU
-from .common.norm import RMSNorm
+from ..common.attention import Attention
+from ..common.decoder import CausalLM, DecoderLayer
+from ..common.mlp import SwiGLU
+from ..common.norm import RMSNorm
 from .config import DenseConfig
 
 
@@ -32,11 +32,3 @@ class DenseDecoderLayer(DecoderLayer):
 class DenseForCausalLM(CausalLM):
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__(cfg, DenseDecoderLayer, RMSNorm, cfg.head_dim)
-
-    def activation_bytes_per_token(self) -> int:
-        """Estimated autograd-saved bytes per token of a forward (norms, projections, MLP intermediates);
-        calibrated against measured peak RSS of the tiny benchmark model."""
-        c = self.config
-        elems = 14 * c.hidden_size + 5 * c.num_attention_heads * c.head_dim
-        elems += 4 * c.num_key_value_heads * c.head_dim + 6 * c.intermediate_size
-        return elems * c.num_hidden_layers * self.lm_head.weight.element_size()

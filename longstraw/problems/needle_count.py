@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ..tokenizer import Tokenizer
-from .base import Task, TaskExample, filler_document, first_number, need
+from ..data import Example, Tokenizer
+from .base import Problem, filler_document, first_number, need
 
 NAME = "needle-count"
 # each holds a word that is not a filler word, so filler can never form a needle by accident
@@ -19,7 +19,7 @@ NEEDLES = (
 )
 
 
-def make(seed: int, target_tokens: int, tokenizer: Tokenizer) -> TaskExample:
+def make(seed: int, target_tokens: int, tokenizer: Tokenizer) -> Example:
     rng = random.Random(seed)
     needle = rng.choice(NEEDLES)
     # short prompts get fewer needles so that filler still dominates the text
@@ -30,7 +30,7 @@ def make(seed: int, target_tokens: int, tokenizer: Tokenizer) -> TaskExample:
     text, tokens = filler_document(rng, inserts, question, tokenizer, target_tokens, NAME)
     meta = {"task": NAME, "answer": str(count), "needle": needle, "seed": seed, "target_tokens": target_tokens,
             "prompt_tokens": tokens}
-    return TaskExample(prompt=text, answer=str(count), meta=meta)
+    return Example(prompt=text, answer=str(count), meta=meta)
 
 
 def verify(meta: dict, response_text: str) -> float:
@@ -39,4 +39,4 @@ def verify(meta: dict, response_text: str) -> float:
     return 1.0 if got is not None and got == float(need(meta, "answer", NAME)) else 0.0
 
 
-TASK = Task(NAME, make, verify, "count how often a needle sentence appears in filler text")
+PROBLEM = Problem(NAME, make, verify, "count how often a needle sentence appears in filler text")

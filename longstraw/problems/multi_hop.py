@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ..tokenizer import Tokenizer
-from .base import WORDS, Task, TaskExample, filler_document, first_word, need
+from ..data import Example, Tokenizer
+from .base import WORDS, Problem, filler_document, first_word, need
 
 NAME = "multi-hop"
 _ONSETS = "b d f g h k l m n p r s t v z br dr gr kr pr st tr th sh".split()
@@ -26,7 +26,7 @@ def _names(rng: random.Random, count: int) -> list[str]:
     return out
 
 
-def make(seed: int, target_tokens: int, tokenizer: Tokenizer, hops: int | None = None) -> TaskExample:
+def make(seed: int, target_tokens: int, tokenizer: Tokenizer, hops: int | None = None) -> Example:
     rng = random.Random(seed)
     hops = rng.choice((2, 3)) if hops is None else hops
     if not isinstance(hops, int) or hops < 1:
@@ -49,7 +49,7 @@ def make(seed: int, target_tokens: int, tokenizer: Tokenizer, hops: int | None =
     text, tokens = filler_document(rng, inserts, question, tokenizer, target_tokens, NAME)
     meta = {"task": NAME, "answer": answer, "start": start, "hops": hops, "chain": chain, "num_links": len(links),
             "seed": seed, "target_tokens": target_tokens, "prompt_tokens": tokens}
-    return TaskExample(prompt=text, answer=answer, meta=meta)
+    return Example(prompt=text, answer=answer, meta=meta)
 
 
 def verify(meta: dict, response_text: str) -> float:
@@ -57,4 +57,4 @@ def verify(meta: dict, response_text: str) -> float:
     return 1.0 if first_word(response_text).casefold() == str(need(meta, "answer", NAME)).casefold() else 0.0
 
 
-TASK = Task(NAME, make, verify, "follow k 'X points to Y' statements scattered through filler text")
+PROBLEM = Problem(NAME, make, verify, "follow k 'X points to Y' statements scattered through filler text")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ..tokenizer import Tokenizer
-from .base import Task, TaskExample, document_prompt, first_number, fit_length, need
+from ..data import Example, Tokenizer
+from .base import Problem, document_prompt, first_number, fit_length, need
 
 NAME = "kv-retrieval"
 _HEX = "0123456789abcdef"
@@ -37,7 +37,7 @@ class _PairStream:
 
 
 def make(seed: int, target_tokens: int, tokenizer: Tokenizer, key_chars: int = 5,
-         value_digits: int = 6) -> TaskExample:
+         value_digits: int = 6) -> Example:
     """Options (defaults give the standard task): `key_chars`, hex digits after the 'k' of each key (>= 2;
     keys are unique, so 2 allows at most 256 pairs); `value_digits`, digits of each value (>= 1). Shorter keys and values
     make an easier task, e.g. for warm-starting a tiny byte-level model."""
@@ -66,7 +66,7 @@ def make(seed: int, target_tokens: int, tokenizer: Tokenizer, key_chars: int = 5
     key, value = pairs[q]
     meta = {"task": NAME, "answer": value, "key": key, "position": q, "num_pairs": len(pairs), "seed": seed,
             "target_tokens": target_tokens, "prompt_tokens": tokens, "key_chars": key_chars, "value_digits": value_digits}
-    return TaskExample(prompt=text, answer=value, meta=meta)
+    return Example(prompt=text, answer=value, meta=meta)
 
 
 def verify(meta: dict, response_text: str) -> float:
@@ -75,4 +75,4 @@ def verify(meta: dict, response_text: str) -> float:
     return 1.0 if got is not None and got == float(need(meta, "answer", NAME)) else 0.0
 
 
-TASK = Task(NAME, make, verify, "find the value of one key among many `key: value` lines")
+PROBLEM = Problem(NAME, make, verify, "find the value of one key among many `key: value` lines")

@@ -1,4 +1,4 @@
-"""Task types and the text helpers the built-in tasks share: filler, length fitting, answer parsing."""
+"""Problem types and the text helpers the built-in problems share: filler, length fitting, answer parsing."""
 
 from __future__ import annotations
 
@@ -6,23 +6,16 @@ import bisect
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..tokenizer import Tokenizer
-
-
-@dataclass
-class TaskExample:
-    prompt: str
-    answer: str
-    meta: dict = field(default_factory=dict)
+from ..data import Example, Tokenizer
 
 
 @dataclass(frozen=True)
-class Task:
+class Problem:
     name: str
-    make: Callable[..., TaskExample]  # (seed, target_tokens, tokenizer, **options) -> TaskExample
+    make: Callable[..., Example]  # (seed, target_tokens, tokenizer, **options) -> Example
     verify: Callable[[dict, str], float]  # (meta, response_text) -> 1.0 or 0.0
     description: str = ""
 
@@ -185,8 +178,3 @@ def need(meta: dict, key: str, who: str):
     if not isinstance(meta, dict) or key not in meta:
         raise KeyError(f"{who} needs meta[{key!r}] (the meta of the task example), got {meta!r}")
     return meta[key]
-
-
-# ---- registry -----------------------------------------------------------------------------------------------
-
-# imported last: the task modules use the names defined above

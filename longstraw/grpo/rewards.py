@@ -8,8 +8,8 @@ import math
 import re
 from typing import Any, Callable, Sequence
 
-from .tasks import TASKS
-from .tasks.base import first_number, need
+from ..problems import PROBLEMS
+from ..problems.base import first_number, need
 
 log = logging.getLogger("longstraw")
 
@@ -136,5 +136,5 @@ def digit_overlap(prompt_meta: dict, response_text: str) -> float:
     return sum(a == b for a, b in zip(digits, answer)) / max(len(digits), len(answer))
 
 
-for _name, _task in TASKS.items():  # each task's verifier is a reward under the task's name
+for _name, _task in PROBLEMS.items():  # each task's verifier is a reward under the task's name
     register_reward(_name)(_task.verify)

@@ -6,11 +6,11 @@ stacked on load). The router weight, its correction bias and the indexer head we
 
 from __future__ import annotations
 
-from .common.decoder import CausalLM, DecoderLayer
-from .common.mla import MLAttention
-from .common.mlp import SwiGLU
-from .common.moe import MoE
-from .common.norm import RMSNorm
+from ..common.decoder import CausalLM, DecoderLayer
+from ..common.mla import MLAttention
+from ..common.mlp import SwiGLU
+from ..common.moe import MoE
+from ..common.norm import RMSNorm
 from .config import GlmMoeDsaConfig
 
 
@@ -43,12 +43,3 @@ class GlmMoeDsaForCausalLM(CausalLM):
     def __init__(self, cfg: GlmMoeDsaConfig) -> None:
         super().__init__(cfg, GlmDecoderLayer, RMSNorm, cfg.qk_rope_head_dim)
 
-    def activation_bytes_per_token(self) -> int:
-        """Estimated autograd-saved bytes per token of a forward (MLA in latent space, routed + shared experts)."""
-        c = self.config
-        latent = c.kv_lora_rank + c.qk_rope_head_dim
-        attn = 3 * c.q_lora_rank + 3 * c.num_attention_heads * (latent + c.qk_nope_head_dim + c.v_head_dim)
-        moe = c.num_experts_per_tok * 4 * c.moe_intermediate_size + 4 * c.moe_intermediate_size * c.n_shared_experts
-        elems = sum(attn + 14 * c.hidden_size + (moe if t == "sparse" else 6 * c.intermediate_size)
-                    for t in c.mlp_layer_types)
-        return elems * self.lm_head.weight.element_size()

@@ -12,9 +12,6 @@ the copying skill carries over.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -23,13 +20,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
-from .config import ModelSpec
-from .engine.capture import capture
-from .models import build_model, load_model
-from .rollout import rollout
-from .tasks import TaskExample, get_task, make_task
-from .tokenizer import Tokenizer, check_vocab, load_tokenizer
-from .train.checkpoint import write_weights
+from ..config import ModelSpec
+from ..data import Example, Tokenizer, check_vocab, load_tokenizer
+from ..engine.capture import capture
+from ..files import atomic_output
+from ..models import build_model, load_model, write_weights
+from ..problems import get_problem, make_problem
+from ..rollout import rollout
 
 
 Stage = tuple[int, float]  # (prompt tokens, fraction of the steps)
@@ -81,7 +78,7 @@ class SFTConfig(BaseModel):
     def _check(self) -> "SFTConfig":
         _check_curriculum(self.curriculum, self.prompt_tokens, "")
         for name, ts in self.per_task.items():
-            get_task(name)  # unknown names fail here, listing the known tasks
+            get_problem(name)  # unknown names fail here, listing the known tasks
             if ts.curriculum is not None:
                 _check_curriculum(ts.curriculum, ts.prompt_tokens or self.prompt_tokens, f"per_task.{name}.")
         return self
@@ -106,7 +103,7 @@ def prompt_length(step: int, steps: int, prompt_tokens: int, curriculum: list[St
     return prompt_tokens
 
 
-def encode(tok: Tokenizer, ex: TaskExample) -> tuple[list[int], list[int]]:
+def encode(tok: Tokenizer, ex: Example) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids + eos) of one example, the prompt in the tokenizer's chat format."""
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ex.prompt}]))
     return prompt, tok.encode(ex.answer) + [tok.eos_id]
@@ -125,9 +122,9 @@ def _batch(pairs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Te
 
 
 @torch.no_grad()
-def task_reward(model, tok: Tokenizer, task: str, examples: list[TaskExample]) -> float:
+def task_reward(model, tok: Tokenizer, task: str, examples: list[Example]) -> float:
     """Mean verifier reward of greedy answers (captured prompt, one branch each)."""
-    verify = get_task(task).verify
+    verify = get_problem(task).verify
     total = 0.0
     for ex in examples:
         prompt, answer = encode(tok, ex)
@@ -138,17 +135,11 @@ def task_reward(model, tok: Tokenizer, task: str, examples: list[TaskExample]) -
 
 
 def save_checkpoint(model, out: str | Path) -> Path:
-    """config.json + model.safetensors, written beside the target and renamed into place (atomic)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    write_weights(model, tmp)
-    old = out.with_name(out.name + ".old")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+    """config.json + model.safetensors at `out`, written atomically (an earlier checkpoint there is replaced)."""
+    with atomic_output(out) as tmp:
+        Path(tmp).mkdir()
+        write_weights(model, tmp)
+    return Path(out)
 
 
 def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
@@ -159,7 +150,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     model = load_model(cfg.model.path) if cfg.model.path else build_model(cfg.model.random)
     check_vocab([tok.vocab_size - 1], model.config.vocab_size, "tokenizer vocab")
     prompt_tokens, curriculum, options = cfg.settings()
-    evals = [make_task(cfg.task, 10_000_000 + i, prompt_tokens, tok, **options) for i in range(cfg.eval_examples)]
+    evals = [make_problem(cfg.task, 10_000_000 + i, prompt_tokens, tok, **options) for i in range(cfg.eval_examples)]
     before = task_reward(model, tok, cfg.task, evals)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -169,7 +160,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     model.train()
     for step in tqdm(range(cfg.steps), desc=f"sft {cfg.task}", disable=not progress):
         length = prompt_length(step, cfg.steps, prompt_tokens, curriculum)
-        pairs = [encode(tok, make_task(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, length, tok, **options))
+        pairs = [encode(tok, make_problem(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, length, tok, **options))
                  for i in range(cfg.batch)]
         inputs, targets = _batch(pairs, tok.pad_id)
         # the LM head only where some row has an answer token (prompts are most of the sequence)

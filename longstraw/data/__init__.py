@@ -1,0 +1,7 @@
+"""Data: tokenizers (byte-level or an HF tokenizer.json), examples, and JSONL prompt datasets."""
+
+from .example import Example
+from .jsonl import iter_jsonl
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer
+
+__all__ = ["ByteTokenizer", "Example", "HFTokenizer", "Tokenizer", "check_vocab", "iter_jsonl", "load_tokenizer"]

@@ -1,0 +1,28 @@
+"""`TokenMixer`: what a layer's token mixer (attention, Gated DeltaNet, MLA) implements for the engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from ...state import LayerState, Segment
+
+
+class TokenMixer(nn.Module, ABC):
+    """Mixes tokens over the prefix state and the segment. `layer_idx` keys its entry in a `Segment`."""
+
+    layer_idx: int
+
+    @abstractmethod
+    def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:
+        """Its prefix state for `tokens` tokens: per-token buffers to fill, or the fixed-size state before any."""
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seg: Segment) -> torch.Tensor:
+        """The mixer's output for x [B, T, hidden]: reads its prefix from `seg` and emits what it adds."""
+
+    @abstractmethod
+    def emit_state(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seg: Segment) -> None:
+        """Only emit what the segment adds to the state (the last layer of a prompt chunk needs no output)."""

@@ -1,0 +1,79 @@
+"""The context of one forward over a segment of tokens: where it starts, the prefix it reads, what it emits.
+
+A prompt chunk (capture, exact-mode recompute) and a batch of replayed branches read a `PrefixView`; a decode
+step also writes its new tokens into a `DecodeCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .protocol import LayerState
+
+
+@dataclass
+class PrefixView:
+    """Each layer's prefix state with its first `length` tokens visible, and, in exact mode, the dState sinks
+    (`grads`, one per layer) that the backward adds dLoss/dPrefix into."""
+
+    layers: list[LayerState]
+    length: int
+    grads: dict[int, LayerState] | None = None
+
+    def __getitem__(self, layer: int) -> LayerState:
+        return self.layers[layer]
+
+
+@dataclass
+class DecodeCache:
+    """Per-branch buffers (batch dim first) of the tokens the branches generated so far, `filled` of them written,
+    for the layers whose state grows with tokens."""
+
+    layers: dict[int, LayerState]
+    filled: int = 0
+
+    def __getitem__(self, layer: int) -> LayerState:
+        return self.layers[layer]
+
+    def extend(self, layer: int, new: LayerState) -> LayerState:
+        """Write a decode step's `new` rows at `filled`; the layer's generated tokens so far, the new ones included."""
+        buf = self.layers[layer].append(self.filled, new)
+        return buf.narrow(0, self.filled + new.tokens)
+
+
+@dataclass
+class Segment:
+    """Positions `start`.. of a forward. `prefix` (None: the segment starts at the sequence start) is read, never
+    written. With `collect`, each layer hands what it adds to the state to `emitted` (per-token rows, or the final
+    fixed-size state), batch dim first."""
+
+    start: int = 0
+    prefix: PrefixView | None = None
+    cache: DecodeCache | None = None
+    collect: bool = False
+    emitted: dict[int, LayerState] = field(default_factory=dict)
+    # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers after it
+    dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def emit(self, layer: int, state: LayerState) -> None:
+        if self.collect:
+            self.emitted[layer] = state
+
+    def prefix_rows(self, layer: int) -> LayerState | None:
+        """The visible rows of a per-token layer's prefix state; None when there are none."""
+        if self.prefix is None or self.prefix.length == 0:
+            return None
+        return self.prefix.layers[layer].narrow(0, self.prefix.length)
+
+    def prefix_grad(self, layer: int) -> LayerState | None:
+        """The dState sink for those rows (exact mode), else None."""
+        p = self.prefix
+        if p is None or p.grads is None or p.length == 0:
+            return None
+        return p.grads[layer].narrow(0, p.length)
+
+    def initial_state(self, layer: int) -> LayerState | None:
+        """The fixed-size state a layer starts from (None: from zeros, at the sequence start)."""
+        return None if self.prefix is None else self.prefix.layers[layer]
