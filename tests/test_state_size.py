@@ -12,7 +12,7 @@ from longstraw.state_size import state_size
 from tests.conftest import tiny_config
 
 # copies of ../shared/reference-configs (real model shapes, no weights), so the tests run from any checkout
-REF = Path(__file__).resolve().parent / "data" / "reference-configs"
+REF = Path(__file__).resolve().parent / "fixtures" / "reference-configs"
 
 
 def test_qwen3_5_27b_attention_kv_is_64_kib_per_token():

@@ -645,7 +645,7 @@ def test_state_unchanged_by_score(checkpoints, group):
 
 
 def test_glm5_state_size_per_token():
-    path = Path(__file__).resolve().parents[1] / "data" / "reference-configs" / "glm5" / "config.json"
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "reference-configs" / "glm5" / "config.json"
     cfg = json.loads(path.read_text())
     r = state_size(cfg, 200_000, "bf16")
     # 78 layers x (512 latent + 64 RoPE key + 128 indexer key) x 2 bytes

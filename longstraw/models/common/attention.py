@@ -40,6 +40,13 @@ class Attention(TokenMixer):
             self.q_norm = qk_norm(head_dim, eps)
             self.k_norm = qk_norm(head_dim, eps)
 
+    @classmethod
+    def from_config(cls, cfg, idx: int, *, o_bias: bool, qk_norm: type[nn.Module] | None, gated: bool = False
+                    ) -> "Attention":
+        """The attention of layer `idx` of a family config with GQA fields (heads, kv heads, head_dim)."""
+        return cls(idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                   qkv_bias=cfg.attention_bias, o_bias=o_bias, qk_norm=qk_norm, eps=cfg.rms_norm_eps, gated=gated)
+
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device) -> AttentionState:
         shape = (self.kv_heads, tokens, self.head_dim)
         return AttentionState(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))

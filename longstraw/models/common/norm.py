@@ -22,13 +22,12 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """Qwen3.5's RMSNorm: weight stored as an offset from 1, applied in fp32: (x / rms(x)) * (1 + w)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = rms_normalize(x, self.eps)

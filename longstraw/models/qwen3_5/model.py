@@ -29,18 +29,8 @@ class Qwen35DecoderLayer(DecoderLayer):
                 cfg.rms_norm_eps,
             )
         else:
-            self.self_attn = Attention(
-                idx,
-                cfg.hidden_size,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                qkv_bias=cfg.attention_bias,
-                o_bias=cfg.attention_bias,
-                qk_norm=ZeroCenteredRMSNorm,
-                eps=cfg.rms_norm_eps,
-                gated=True,
-            )
+            self.self_attn = Attention.from_config(cfg, idx, o_bias=cfg.attention_bias, qk_norm=ZeroCenteredRMSNorm,
+                                                   gated=True)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
