@@ -108,10 +108,15 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def ui(args: argparse.Namespace) -> int:
-    from .ui import serve_forever, start_ui
+    from .ui import ServerStartError, serve_forever, start_ui
 
-    return serve_forever(start_ui(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, host=args.host,
-                                  backend_store_uri=args.mlflow_store))
+    try:
+        servers = start_ui(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, host=args.host,
+                           backend_store_uri=args.mlflow_store)
+    except ServerStartError as e:  # a busy port or a server that did not come up: its log tail, not a traceback
+        print(f"longstraw ui: error: {e}", file=sys.stderr)
+        return 1
+    return serve_forever(servers)
 
 
 def main(argv: list[str] | None = None) -> int:

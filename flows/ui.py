@@ -1,12 +1,6 @@
-"""Start a Prefect server and an MLflow server for one machine, from this same environment.
-
-`start_ui()` launches both as subprocesses (`python -m prefect server start`, `python -m mlflow server`), bound to
-127.0.0.1 unless another host is passed explicitly, waits until both answer their health endpoints and returns a
-`UIProcesses` with the URLs, the process handles and `stop()`. `serve_forever(ui)` prints how to point clients at
-them and blocks until Ctrl-C. Server output goes to log files, whose tail is quoted when a server fails to come up.
-
-For a long-lived setup (systemd units, a worker on a work pool) see infra/README.md.
-"""
+"""`longstraw ui`: a Prefect and an MLflow server for one machine, run through their own CLIs from this environment,
+bound to 127.0.0.1 unless a host is passed on purpose (neither has authentication here). POSIX only.
+For a long-lived setup (systemd units, a worker on a work pool) see infra/README.md."""
 
 from __future__ import annotations
 
@@ -16,14 +10,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_LOGS = Path("runs") / "ui-logs"
-DEFAULT_MLFLOW_DB = Path("runs") / "mlflow.db"
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks ignore any http_proxy
+# defaults the user's environment may override; MLflow's job runner (GenAI jobs, seven huey consumers) is unused here
+_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 class ServerStartError(RuntimeError):
@@ -31,173 +26,98 @@ class ServerStartError(RuntimeError):
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that is free on `host` right now (the OS picks it; another process may take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on `host` right now (another process may take it later)."""
+    with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM a server's process group, SIGKILL what is left after `timeout` s (children can outlive the leader)."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
+
+
+def _spawn(name: str, cmd: list[str], env: dict[str, str], host: str, port: int, path: str,
+           logs: str | os.PathLike) -> tuple[str, subprocess.Popen, Path]:
+    """Start server `cmd` on host:port; returns (URL of `path`, process, its log file)."""
+    client = LOOPBACK if host in ("", "0.0.0.0", "::") else host  # a wildcard bind is reached on loopback
+    with socket.socket() as s:
         s.settimeout(0.5)
-        return s.connect_ex((_client_host(host), port)) == 0
-
-
-def _client_host(host: str) -> str:
-    """The address a local client uses to reach a server bound to `host` (a wildcard bind is reached on loopback)."""
-    return LOOPBACK if host in ("0.0.0.0", "", "::") else host
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"(log {path} unreadable: {e})"
-    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
+        if s.connect_ex((client, port)) == 0:
+            raise ServerStartError(f"port {port} on {host} is already in use; pick another {name} port")
+    url, log = f"http://{client}:{port}{path}", Path(logs).resolve() / f"{name.lower()}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n".encode())
-        out.flush()
-        # own session/process group: both servers start children (uvicorn workers, services), and stop() must
-        # reach those too
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=cwd, start_new_session=(os.name == "posix"))
+    with open(log, "wb") as out:  # own process group, so that stop_process reaches the server's workers too
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return url, proc, log
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGTERM the process (and its process group), then SIGKILL whatever is left after `timeout` seconds."""
-    if proc.poll() is not None:
-        return
-    posix = os.name == "posix"
-
-    def send(sig: int) -> None:
-        try:
-            if posix:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    send(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        send(signal.SIGKILL if posix else signal.SIGTERM)
-        proc.wait(timeout)
-    if posix:  # children that outlived the leader (the group id stays the leader's pid)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-# health checks go straight to the (local) server, never through an http_proxy from the environment
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+def _wait(name: str, url: str, proc: subprocess.Popen, log: Path, timeout: float) -> tuple[str, subprocess.Popen]:
+    """(url, proc) once GET `url`/health answers; else stop the server and raise ServerStartError."""
     deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ServerStartError(f"{name} exited with code {proc.returncode} before answering {url}; "
-                                   f"last lines of {log}:\n{_tail(log)}")
-        try:
-            with _DIRECT.open(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code}"
-        except (urllib.error.URLError, OSError) as e:
-            last = str(getattr(e, "reason", e))
-        time.sleep(0.25)
-    raise ServerStartError(f"{name} did not answer {url} within {timeout:.0f} s ({last}); "
-                           f"last lines of {log}:\n{_tail(log)}")
-
-
-def _base_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    env.setdefault("DO_NOT_TRACK", "true")
-    # MLflow's job runner (GenAI judge/optimisation jobs; seven huey consumer processes) is not used by LongStraw
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    return env
-
-
-def _launch(name: str, cmd: list[str], env: dict[str, str], log: Path, health: str, timeout: float) -> subprocess.Popen:
-    """Start a server and wait until `health` answers; a server that does not come up is stopped again."""
-    proc = _spawn(cmd, env, log)
     try:
-        _wait_healthy(name, proc, health, log, timeout)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                _DIRECT.open(f"{url}/health", timeout=2).close()  # anything but 2xx raises
+                return url, proc
+            except OSError:  # refused, reset, HTTP error: not up yet
+                time.sleep(0.25)
+        why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"was not up in {timeout:.0f} s"
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) or "(empty)"
+        raise ServerStartError(f"{name} server {why}; last lines of {log}:\n{tail}")
     except BaseException:
-        _stop(proc)
+        stop_process(proc)
         raise
-    return proc
 
 
-def start_prefect_server(port: int, home: str | os.PathLike | None = None, host: str = LOOPBACK, *,
-                         logs: str | os.PathLike = DEFAULT_LOGS, timeout: float = 60.0
-                         ) -> tuple[str, subprocess.Popen]:
-    """Start `prefect server start --host HOST --port PORT` (analytics off; PREFECT_HOME=`home` when given, which
-    also holds the server's sqlite database) and wait for GET /api/health. Returns (API URL ending in /api, the
-    process). Stop it with `stop_process(proc)`."""
-    if _port_in_use(host, port):
-        raise ServerStartError(f"port {port} on {host} is already in use; pick another Prefect port")
-    env = _base_env()
+def _prefect(port: int, home: str | os.PathLike | None, host: str, logs: str | os.PathLike):
+    env = {**_ENV, **os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # the server must not talk to some other API while it starts
     if home is not None:
         Path(home).mkdir(parents=True, exist_ok=True)
         env["PREFECT_HOME"] = str(Path(home).resolve())
-    # the server must not try to talk to some other API while it starts
-    env.pop("PREFECT_API_URL", None)
-    log = Path(logs).resolve() / "prefect-server.log"
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
-           "--analytics-off"]
-    api = f"http://{_client_host(host)}:{port}/api"
-    return api, _launch("Prefect server", cmd, env, log, f"{api}/health", timeout)
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
+    return _spawn("Prefect", cmd, env, host, port, "/api", logs)
+
+
+def _mlflow(port: int, backend_store_uri: str | None, host: str, artifacts: str | os.PathLike | None,
+            logs: str | os.PathLike):
+    store = backend_store_uri or f"sqlite:///{Path('runs', 'mlflow.db').resolve()}"
+    # a sqlite db's directory must exist, and holds the artifacts by default; other stores default to ./runs
+    db = Path(store.removeprefix("sqlite:///") if store.startswith("sqlite:///") else "runs/mlflow.db")
+    db.parent.mkdir(parents=True, exist_ok=True)
+    dest = Path(artifacts or db.parent / "mlartifacts").resolve()
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--backend-store-uri",
+           store, "--artifacts-destination", str(dest), "--workers", "1"]
+    return _spawn("MLflow", cmd, {**_ENV, **os.environ}, host, port, "", logs)
+
+
+def start_prefect_server(port: int, home: str | os.PathLike | None = None, host: str = LOOPBACK, *,
+                         logs: str | os.PathLike = DEFAULT_LOGS, timeout: float = 60.0) -> tuple[str, subprocess.Popen]:
+    """`prefect server start` with PREFECT_HOME=`home` (holds its sqlite database) when given; returns (API URL
+    ending in /api, process) once /api/health answers."""
+    return _wait("Prefect", *_prefect(port, home, host, logs), timeout)
 
 
 def start_mlflow_server(port: int, backend_store_uri: str | None = None, host: str = LOOPBACK, *,
                         artifacts: str | os.PathLike | None = None, logs: str | os.PathLike = DEFAULT_LOGS,
-                        workers: int = 1, timeout: float = 60.0) -> tuple[str, subprocess.Popen]:
-    """Start `mlflow server` on HOST:PORT with `backend_store_uri` (default: sqlite under ./runs/mlflow.db) and
-    artifacts proxied to `artifacts` (default: `mlartifacts` next to a sqlite store, else ./runs/mlartifacts);
-    wait for GET /health. Returns (tracking URI, the process)."""
-    if _port_in_use(host, port):
-        raise ServerStartError(f"port {port} on {host} is already in use; pick another MLflow port")
-    if backend_store_uri is None:
-        db = DEFAULT_MLFLOW_DB.resolve()
-        backend_store_uri = f"sqlite:///{db}"
-    if artifacts is None:
-        if backend_store_uri.startswith("sqlite:///"):
-            artifacts = Path(backend_store_uri.removeprefix("sqlite:///")).parent / "mlartifacts"
-        else:
-            artifacts = Path("runs") / "mlartifacts"
-    if backend_store_uri.startswith("sqlite:///"):
-        Path(backend_store_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    artifacts_dir = Path(artifacts).resolve()
-    artifacts_dir.mkdir(parents=True, exist_ok=True)
-    log = Path(logs).resolve() / "mlflow-server.log"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-           "--backend-store-uri", backend_store_uri, "--artifacts-destination", str(artifacts_dir),
-           "--workers", str(workers)]
-    uri = f"http://{_client_host(host)}:{port}"
-    return uri, _launch("MLflow server", cmd, _base_env(), log, f"{uri}/health", timeout)
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Terminate a server started here (its whole process group), killing it after `timeout` seconds."""
-    _stop(proc, timeout)
+                        timeout: float = 60.0) -> tuple[str, subprocess.Popen]:
+    """`mlflow server` on `backend_store_uri` (default sqlite:///<cwd>/runs/mlflow.db), artifacts proxied to
+    `artifacts` (default `mlartifacts` next to a sqlite db, else ./runs/mlartifacts); returns (tracking URI,
+    process) once /health answers."""
+    return _wait("MLflow", *_mlflow(port, backend_store_uri, host, artifacts, logs), timeout)
 
 
 @dataclass
 class UIProcesses:
-    """The two running servers. `prefect_api_url` is what PREFECT_API_URL must be set to; `prefect_url` is the UI."""
+    """The two running servers; PREFECT_API_URL must be set to `prefect_api_url`, `prefect_url` is its UI."""
 
     prefect_url: str
     prefect_api_url: str
@@ -205,21 +125,19 @@ class UIProcesses:
     prefect: subprocess.Popen
     mlflow: subprocess.Popen
     logs: Path
-    _stopped: bool = field(default=False, repr=False)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Terminate both servers, then kill whatever did not exit within `timeout` seconds. Idempotent."""
-        for proc in (self.mlflow, self.prefect):
-            _stop(proc, timeout)
-        self._stopped = True
+        """Stop both servers (idempotent)."""
+        stop_process(self.mlflow, timeout)
+        stop_process(self.prefect, timeout)
 
     def alive(self) -> bool:
         return self.prefect.poll() is None and self.mlflow.poll() is None
 
-    def __enter__(self) -> "UIProcesses":
+    def __enter__(self) -> UIProcesses:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -227,107 +145,39 @@ def start_ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = LOOP
              backend_store_uri: str | None = None, home: str | os.PathLike | None = None,
              logs: str | os.PathLike = DEFAULT_LOGS, artifacts: str | os.PathLike | None = None,
              timeout: float = 90.0) -> UIProcesses:
-    """Start a Prefect server and an MLflow server (concurrently) and wait until both are healthy.
-
-    host: the interface both bind to; 127.0.0.1 unless set otherwise on purpose (neither server has
-    authentication here). backend_store_uri: MLflow's store, default sqlite:///<cwd>/runs/mlflow.db. home:
-    PREFECT_HOME for the Prefect server (its sqlite database lives there); default: the inherited one (~/.prefect).
-    logs: directory of prefect-server.log and mlflow-server.log. Raises ServerStartError (with the failing
-    server's log tail) if either does not come up within `timeout` seconds; then neither is left running.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(2) as pool:
-        pf = pool.submit(start_prefect_server, prefect_port, home, host, logs=logs, timeout=timeout)
-        mf = pool.submit(start_mlflow_server, mlflow_port, backend_store_uri, host, artifacts=artifacts, logs=logs,
-                         timeout=timeout)
-        errors = []
-        results = {}
-        for name, fut in (("prefect", pf), ("mlflow", mf)):
-            try:
-                results[name] = fut.result()
-            except BaseException as e:  # noqa: BLE001 - both are joined before anything is raised
-                errors.append(e)
-    if errors:
-        for _, proc in results.values():
-            _stop(proc)
-        raise errors[0]
-    api, pproc = results["prefect"]
-    muri, mproc = results["mlflow"]
-    return UIProcesses(prefect_url=api.removesuffix("/api"), prefect_api_url=api, mlflow_url=muri, prefect=pproc,
-                       mlflow=mproc, logs=Path(logs).resolve())
-
-
-def describe(ui: UIProcesses) -> str:
-    """What to print for users: the two URLs and how to point the CLI, workers and training runs at them."""
-    return "\n".join([
-        f"Prefect UI:  {ui.prefect_url}",
-        f"MLflow UI:   {ui.mlflow_url}",
-        f"logs:        {ui.logs}",
-        "",
-        "Point clients at these servers (in the shell that runs `longstraw train`, `prefect worker start`, ...):",
-        f"  export PREFECT_API_URL={ui.prefect_api_url}",
-        f"  export MLFLOW_TRACKING_URI={ui.mlflow_url}        # for MLflow clients and scripts",
-        f"LongStraw training runs log to this MLflow server when their TrainConfig sets `tracking: {{uri: "
-        f"{ui.mlflow_url}}}`",
-        "(without it a run logs to sqlite under its run directory).",
-    ])
-
-
-def serve_forever(ui: UIProcesses, poll_seconds: float = 1.0) -> int:
-    """Print the URLs and client settings, then block until Ctrl-C (or SIGTERM, or a server exiting); stop both.
-    Returns 0 after Ctrl-C/SIGTERM, 1 if a server exited by itself."""
-    print(describe(ui), flush=True)
-    print("\nPress Ctrl-C to stop both servers.", flush=True)
-    code = 0
-    previous = None
-    if os.name == "posix":
-        def _term(_sig, _frame):
-            raise KeyboardInterrupt
-        try:
-            previous = signal.signal(signal.SIGTERM, _term)
-        except ValueError:  # not the main thread
-            previous = None
+    """Start both servers at once (see start_prefect_server, start_mlflow_server) and wait for both; on
+    ServerStartError neither is left running."""
+    started = []
     try:
-        while code == 0:
-            for name, proc in (("Prefect server", ui.prefect), ("MLflow server", ui.mlflow)):
-                if proc.poll() is not None:
-                    log = ui.logs / ("prefect-server.log" if proc is ui.prefect else "mlflow-server.log")
-                    print(f"{name} exited with code {proc.returncode}; last lines of {log}:\n{_tail(log)}",
-                          file=sys.stderr, flush=True)
-                    code = 1
-                    break
-            else:
-                time.sleep(poll_seconds)
+        started.append(("Prefect", *_prefect(prefect_port, home, host, logs)))
+        started.append(("MLflow", *_mlflow(mlflow_port, backend_store_uri, host, artifacts, logs)))
+        (api, prefect), (uri, mlflow) = [_wait(*s, timeout) for s in started]
+    except BaseException:
+        for _, _, proc, _ in started:
+            stop_process(proc)
+        raise
+    return UIProcesses(api.removesuffix("/api"), api, uri, prefect, mlflow, Path(logs).resolve())
+
+
+def serve_forever(ui: UIProcesses) -> int:
+    """Print the URLs and client settings, block (main thread) until Ctrl-C, SIGTERM or a server exiting, stop
+    both. Returns 0 after Ctrl-C/SIGTERM, 1 if a server exited by itself."""
+    print(f"Prefect UI: {ui.prefect_url}\nMLflow UI:  {ui.mlflow_url}\nlogs:       {ui.logs}\n\n"
+          "Point clients at them (in the shells that run `longstraw train`, `prefect worker start`, ...):\n"
+          f"  export PREFECT_API_URL={ui.prefect_api_url}\n  export MLFLOW_TRACKING_URI={ui.mlflow_url}\n"
+          f"Training runs log to this MLflow server when their TrainConfig sets `tracking: {{uri: {ui.mlflow_url}}}`"
+          "\n(without it a run logs to sqlite under its run directory).\n\nPress Ctrl-C to stop both servers.",
+          flush=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: a KeyboardInterrupt too
+    try:
+        while ui.alive():
+            time.sleep(1.0)
+        dead = "Prefect" if ui.prefect.poll() is not None else "MLflow"
+        print(f"{dead} server exited by itself; see its log in {ui.logs}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         print("stopping servers ...", flush=True)
         ui.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.ui`: the same as `longstraw ui`."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m flows.ui", description=__doc__.splitlines()[0])
-    p.add_argument("--prefect-port", type=int, default=4200)
-    p.add_argument("--mlflow-port", type=int, default=5000)
-    p.add_argument("--host", default=LOOPBACK, help="interface to bind (default 127.0.0.1; no authentication)")
-    p.add_argument("--backend-store-uri", default=None, help="MLflow store (default sqlite:///./runs/mlflow.db)")
-    p.add_argument("--home", default=None, help="PREFECT_HOME of the Prefect server (default: inherited)")
-    p.add_argument("--logs", default=str(DEFAULT_LOGS))
-    a = p.parse_args(argv)
-    try:
-        ui = start_ui(a.prefect_port, a.mlflow_port, a.host, a.backend_store_uri, a.home, a.logs)
-    except ServerStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return serve_forever(ui)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        signal.signal(signal.SIGTERM, previous)
