@@ -13,7 +13,8 @@ class DenseDecoderLayer(DecoderLayer):
     def __init__(self, cfg: DenseConfig, idx: int) -> None:
         super().__init__()
         # registration order as in transformers, so named_parameters() lists the same order
-        self.self_attn = Attention.from_config(cfg, idx, o_bias=cfg.o_proj_bias, qk_norm=RMSNorm if cfg.qk_norm else None)
+        qk_norm = RMSNorm if cfg.qk_norm else None
+        self.self_attn = Attention.from_config(cfg, idx, o_bias=cfg.o_proj_bias, qk_norm=qk_norm)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
