@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
+from ..models.protocol import PrefixLM
 from ..state import PrefixState
 
 
@@ -56,7 +56,7 @@ def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what
     return out
 
 
-def check_state(model: nn.Module, state: PrefixState) -> None:
+def check_state(model: PrefixLM, state: PrefixState) -> None:
     if state.model_fingerprint != model.config.fingerprint:
         raise ValueError(
             "this prefix state was captured with a different model architecture "

@@ -3,9 +3,11 @@ implements it for every family; its layers' mixers implement `TokenMixer` (model
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from ..state import LayerState, Segment
 from .config import ModelConfig
@@ -14,6 +16,9 @@ from .config import ModelConfig
 class PrefixLM(Protocol):
     config: ModelConfig
     fp32_suffixes: tuple[str, ...]  # parameters kept in at least fp32 whatever the model dtype
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """As nn.Module's: the engine reads the model's dtype and device from the first."""
 
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> list[LayerState]:
         """Every layer's prefix state for `tokens` tokens."""
