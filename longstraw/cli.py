@@ -7,11 +7,12 @@ import argparse
 import json
 import sys
 
+from .files import write_bytes
+
 
 def _write_json(path: str | None, obj) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=2)
+        write_bytes(path, json.dumps(obj, indent=2).encode())
 
 
 def _step(args: argparse.Namespace) -> int:

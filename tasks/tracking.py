@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from longstraw.files import atomic_output
 from longstraw.train.config import TrainConfig
 
 _LOCK = threading.Lock()
@@ -126,6 +127,7 @@ def reward_curve_png(history: list[dict], path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return Path(path)
