@@ -9,6 +9,7 @@ import torch
 
 from .engine.checks import check_state
 from .models.protocol import PrefixLM
+from .parallel import SequenceParallel
 from .state import DecodeCache, PrefixState, PrefixView, Segment
 
 
@@ -49,15 +50,17 @@ def rollout(
     top_k: int = 0,
     stop_ids: Sequence[int] = (),
     seed: int | None = None,
+    parallel: SequenceParallel | None = None,
 ) -> list[Sample]:
     """Generate `n` responses to the captured prompt.
 
     All branches decode in one batch: attention layers read the one shared prefix state plus each branch's own
     tokens (merged by log-sum-exp; the prefix is never copied per branch); recurrent layers get a per-branch copy
     of their fixed-size state. Branch i samples with its own generator seeded `seed + i`, so a branch's tokens
-    do not depend on the others. `temperature == 0` is greedy.
+    do not depend on the others. `temperature == 0` is greedy. With `parallel`, every rank of the group passes its
+    shard of the state and the same arguments (a seed included), and gets the same samples.
     """
-    check_state(model, state)
+    check_state(model, state, parallel)
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"rollout needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
@@ -75,6 +78,8 @@ def rollout(
     p = next(model.parameters())
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
+    if parallel is not None:  # one seed for the whole group, so that every rank samples the same tokens
+        seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64), 0))
     gens = [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
     cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
     # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces
@@ -86,7 +91,8 @@ def rollout(
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         cache.filled = t
-        seg = Segment(start=state.length + t, prefix=PrefixView(prefix, state.length), cache=cache, collect=True)
+        view = PrefixView(prefix, state.length, offset=state.offset, parallel=parallel)
+        seg = Segment(start=state.length + t, prefix=view, cache=cache, collect=True)
         logits = model(tokens, seg)[:, -1].float()
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
         logp = torch.log_softmax(logits, dim=-1)

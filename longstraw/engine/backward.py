@@ -22,10 +22,11 @@ from tqdm.auto import tqdm
 from ..grpo import GRPOConfig, branch_loss, token_weights
 from ..memory import free_bytes
 from ..models.protocol import PrefixLM
+from ..parallel import SequenceParallel
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
-from .capture import capture, empty_state, run_chunk, store_chunk
-from .checks import as_ids, as_responses, check_per_token, check_positions
+from .capture import capture, check_prompt, empty_state, run_chunk, store_chunk
+from .checks import as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
 
 MODES = ("naive", "detached", "exact")
@@ -44,17 +45,25 @@ def grpo_backward(
     ref_logprobs: Sequence | None = None,
     config: GRPOConfig | None = None,
     progress: bool = False,
+    parallel: SequenceParallel | None = None,
 ) -> dict:
     """Accumulate d(GRPO loss)/d(params) into `param.grad` (like `loss.backward()`) and return step stats.
 
-    `old_logprobs=None` is on-policy (ratio 1). `ref_logprobs` is needed when `config.kl_coef > 0`.
+    `old_logprobs=None` is on-policy (ratio 1). `ref_logprobs` is needed when `config.kl_coef > 0`. With
+    `parallel`, every rank of the sequence-parallel group passes the same group; the prefix state is sharded over
+    the ranks, and afterwards every rank's `param.grad` is the one-process gradient.
     """
     cfg = config or GRPOConfig()
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
+    if parallel is not None and mode == "naive":
+        raise ValueError("naive mode is the one-process reference and has no state to shard; run it without "
+                         "`parallel`")
     mc = model.config
-    prompt = as_ids(prompt_ids, "prompt", mc.vocab_size)
+    prompt = check_prompt(model, prompt_ids, parallel)
     resp = as_responses(responses, mc.vocab_size)
+    if parallel is not None:
+        parallel.check_same(torch.cat([torch.tensor([len(r) for r in resp]), *resp]), "responses")
     check_positions(prompt.numel(), resp, mc.max_position_embeddings)
     adv = torch.as_tensor(advantages, dtype=torch.float64).flatten()
     if adv.numel() != len(resp):
@@ -73,15 +82,15 @@ def grpo_backward(
     else:
         exact = mode == "exact"
         if exact:
-            state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress)
+            state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress, parallel)
             grad_bytes = sum(g.nbytes for g in grad.values()) + state.boundary_nbytes
         else:
-            state = capture(model, prompt, cfg.prompt_chunk, progress=progress)
+            state = capture(model, prompt, cfg.prompt_chunk, progress=progress, parallel=parallel)
             grad, kept = None, {}
         state_bytes = state.nbytes
-        replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode)
+        replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode, parallel)
         if exact:
-            prompt_backward(model, state, grad, kept, progress)
+            prompt_backward(model, state, grad, kept, progress, parallel)
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -125,7 +134,7 @@ def naive_backward(
 def replay_backward(
     model: PrefixLM, state: PrefixState, resp: list[torch.Tensor], adv: torch.Tensor, weights: Sequence[float],
     cfg: GRPOConfig, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None, grad: Grad | None,
-    totals: dict[str, float], progress: bool = False, mode: str = "exact",
+    totals: dict[str, float], progress: bool = False, mode: str = "exact", parallel: SequenceParallel | None = None,
 ) -> None:
     """Replay the branches on `state` with autograd and back-propagate their GRPO loss into the parameters.
 
@@ -137,7 +146,7 @@ def replay_backward(
     with tqdm(total=len(resp), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as pbar:
         for b in range(0, len(resp), cfg.branch_batch):
             idx = list(range(b, min(b + cfg.branch_batch, len(resp))))
-            logps = replay_logprobs(model, state, [resp[i] for i in idx], grad, leaves)
+            logps = replay_logprobs(model, state, [resp[i] for i in idx], grad, leaves, parallel)
             _loss_backward(idx, logps, adv, weights, cfg, old, ref, totals)
             pbar.update(len(idx))
     for i, leaf in enumerate(leaves or []):
@@ -155,28 +164,36 @@ def stored_prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, prog
 
 
 def _capture_keeping_graphs(
-    model: PrefixLM, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool
+    model: PrefixLM, prompt: torch.Tensor, cfg: GRPOConfig, progress: bool, parallel: SequenceParallel | None = None,
 ) -> tuple[PrefixState, Grad, dict[int, Kept]]:
     """Capture for exact mode: the last chunks that fit `prompt_graph_budget` run with autograd and keep their
     graph (no recompute later); the others run without autograd and are recomputed in `prompt_backward`.
-    Boundary states at every `boundary_every`-th chunk start are kept in state.boundaries."""
-    state = empty_state(model, prompt, cfg.prompt_chunk)
+    Boundary states at every `boundary_every`-th chunk start are kept in state.boundaries (each rank keeps those
+    of its own chunks)."""
+    state = empty_state(model, prompt, cfg.prompt_chunk, parallel)
     grad = state.grad_buffer()
     free = free_bytes(next(model.parameters()).device)
+    if parallel is not None:  # every rank must take the same decisions
+        free = parallel.agree_min(free)
     budget = free // 4 if cfg.prompt_graph_budget is None else cfg.prompt_graph_budget
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
     every = cfg.boundary_every or boundary_interval(len(state.chunks), state.fixed_nbytes, free // 8)
+    if parallel is not None:
+        if cfg.boundary_every not in (None, 1):
+            raise ValueError("boundary_every > 1 is not supported with `parallel` yet: each rank keeps the boundary "
+                             "states of its own chunks (1/C of them); use a larger prompt_chunk to keep fewer")
+        every = 1
     kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
-        if i % every == 0 or i >= first_kept:
-            state.boundaries[i] = boundary_states(state.layers)
         if i >= first_kept:
             with torch.enable_grad():
-                kept[i] = _chunk_with_graph(model, state, i, grad)
+                kept[i] = _chunk_with_graph(model, state, i, grad, boundary_states(state.layers), parallel)
             emitted = kept[i][0]
         else:
+            if i % every == 0 and state.owns(s):
+                state.boundaries[i] = boundary_states(state.layers)
             with torch.no_grad():
-                emitted = run_chunk(model, state, s, e)
+                emitted = run_chunk(model, state, s, e, parallel=parallel)
         with torch.no_grad():
             store_chunk(state, s, emitted)
     return state, grad, kept
@@ -204,37 +221,78 @@ def _ensure_boundary(model: PrefixLM, state: PrefixState, i: int) -> None:
             state.boundaries[c + 1] = {k: b for k, new in emitted.items() if (b := new.row(0).boundary()) is not None}
 
 
-def _chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: Grad) -> Kept:
-    """Chunk i with autograd, reading leaves: its boundary states as fresh ones (so each chunk's graph stands
+def _chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: Grad, boundary: dict[int, LayerState],
+                      parallel: SequenceParallel | None = None) -> Kept:
+    """Chunk i with autograd, reading leaves: its `boundary` states as fresh ones (so each chunk's graph stands
     alone), the per-token rows before it as themselves (their gradient goes into `grad`)."""
     s, e = state.chunks[i]
-    leaves = [state.boundaries[i].get(j, layer).leaf() for j, layer in enumerate(state.layers)]
-    return run_chunk(model, state, s, e, leaves, grad), leaves
+    leaves = [boundary.get(j, layer).leaf() for j, layer in enumerate(state.layers)]
+    return run_chunk(model, state, s, e, leaves, grad, parallel), leaves
+
+
+def _owner(state: PrefixState, start: int, parallel: SequenceParallel) -> int:
+    return next(r for r, (a, b) in enumerate(parallel.ranges(state.length)) if a <= start < b)
+
+
+def _boundary(model: PrefixLM, state: PrefixState, i: int, parallel: SequenceParallel | None) -> dict[int, LayerState]:
+    """The boundary states at chunk i's start: kept or regenerated here, or (sharded) sent by the chunk's owner."""
+    if parallel is None:
+        _ensure_boundary(model, state, i)
+        return state.boundaries[i]
+    # contiguous on every rank alike (see _row_grads)
+    if state.owns(state.chunks[i][0]):
+        mine = {j: b.map(torch.Tensor.contiguous) for j, b in state.boundaries[i].items()}
+    else:
+        mine = {j: b.map(lambda t: t.new_empty(t.shape)) for j, b in boundary_states(state.layers).items()}
+    owner = _owner(state, state.chunks[i][0], parallel)
+    for b in mine.values():
+        for t in b.tensors():
+            parallel.broadcast_(t, owner)
+    return mine
 
 
 def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[int, Kept],
-                    progress: bool = False) -> None:
+                    progress: bool = False, parallel: SequenceParallel | None = None) -> None:
     """Back-propagate dLoss/dState through the prompt, last chunk first.
 
     Chunk i's per-token rows have their final gradient in grad[:, s:e] once all later chunks and all branches
     are done, and a fixed-size layer's grad entry is the gradient of its state after chunk i. The chunk's
     backward adds into the rows before it, into its boundary leaves (whose gradients become the fixed-size
-    layers' entries for chunk i-1) and into the parameters.
+    layers' entries for chunk i-1) and into the parameters. Sharded, every rank runs every chunk: the chunk's
+    owner sends its rows' gradients, and each rank's rows before the chunk collect their share.
     """
     for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
         s, e = state.chunks[i]
         if i in kept:
             emitted, leaves = kept.pop(i)
         else:
-            _ensure_boundary(model, state, i)
+            boundary = _boundary(model, state, i, parallel)
             with torch.enable_grad():
-                emitted, leaves = _chunk_with_graph(model, state, i, grad)
+                emitted, leaves = _chunk_with_graph(model, state, i, grad, boundary, parallel)
         state.boundaries.pop(i, None)  # chunk i is the last to need it
         outputs, grads = [], []
         for j, new in emitted.items():
             outputs += new.differentiable()
-            grads += grad[j].segment_grads(s, e)
+            if new.token_axis is None:  # a fixed-size state: its dState entry is replicated
+                grads += grad[j].segment_grads(s, e)
+            else:
+                grads += _row_grads(state, grad[j], new, s, e, parallel)
         torch.autograd.backward(outputs, grads)
         for j, leaf in enumerate(leaves):
             if (g := leaf.leaf_grad()) is not None:
                 grad[j] = g
+
+
+def _row_grads(state: PrefixState, g: LayerState, new: LayerState, s: int, e: int,
+               parallel: SequenceParallel | None) -> list[torch.Tensor]:
+    """dState rows [s, e) of one layer on every rank: the owner's, sent to the others."""
+    if parallel is None:
+        return g.segment_grads(s, e)
+    # contiguous on every rank alike, so that the backward takes the same kernels (bitwise equal gradients)
+    if state.owns(s):
+        rows = [t.contiguous() for t in g.segment_grads(s - state.offset, e - state.offset)]
+    else:
+        rows = [t.new_empty(t.shape) for t in new.differentiable()]
+    for t in rows:
+        parallel.broadcast_(t, _owner(state, s, parallel))
+    return rows

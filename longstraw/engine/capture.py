@@ -1,4 +1,8 @@
-"""Prompt capture: run prompt[:-1] in chunks without autograd and keep each layer's prefix state."""
+"""Prompt capture: run prompt[:-1] in chunks without autograd and keep each layer's prefix state.
+
+With a sequence-parallel group (`parallel`), every rank runs every chunk (see longstraw/parallel/sequence.py);
+each keeps the rows of its own token range, and chunks never straddle two ranges.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,17 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.protocol import PrefixLM
+from ..parallel import SequenceParallel
 from ..state import LayerState, PrefixState, PrefixView, Segment
 from .checks import as_ids
 
 DEFAULT_CHUNK = 2048
 
 
-def chunk_ranges(length: int, chunk_size: int) -> list[tuple[int, int]]:
+def chunk_ranges(length: int, chunk_size: int, start: int = 0) -> list[tuple[int, int]]:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return [(s, min(s + chunk_size, length)) for s in range(0, length, chunk_size)]
+    return [(s, min(s + chunk_size, length)) for s in range(start, length, chunk_size)]
 
 
 def run_chunk(
@@ -25,6 +30,7 @@ def run_chunk(
     end: int,
     prefix: list[LayerState] | None = None,
     grad: dict[int, LayerState] | None = None,
+    parallel: SequenceParallel | None = None,
 ) -> dict[int, LayerState]:
     """Forward prompt[start:end] on the state of prompt[:start]; returns what each layer adds to the state.
 
@@ -32,22 +38,45 @@ def run_chunk(
     layers read their rows [:start]. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
     """
     ids = state.prompt_ids[start:end][None]
-    seg = Segment(start=start, prefix=PrefixView(prefix or state.layers, start, grad), collect=True)
+    view = PrefixView(prefix or state.layers, start, grad, state.offset, parallel)
+    seg = Segment(start=start, prefix=view, collect=True)
     model.emit_states(ids, seg)
     return seg.emitted
 
 
-def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int) -> PrefixState:
+def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int,
+                parallel: SequenceParallel | None = None) -> PrefixState:
     p = next(model.parameters())
     n = prompt_ids.numel() - 1
-    layers = model.empty_state(n, p.dtype, p.device)
-    return PrefixState(layers, prompt_ids.to(p.device), chunk_ranges(n, chunk_size), model.config.fingerprint)
+    if parallel is None:
+        layers = model.empty_state(n, p.dtype, p.device)
+        return PrefixState(layers, prompt_ids.to(p.device), chunk_ranges(n, chunk_size), model.config.fingerprint)
+    ranges = parallel.ranges(n)
+    a, b = ranges[parallel.rank]
+    chunks = [c for ra, rb in ranges for c in chunk_ranges(rb, chunk_size, ra)]
+    layers = model.empty_state(b - a, p.dtype, p.device)
+    return PrefixState(layers, prompt_ids.to(p.device), chunks, model.config.fingerprint, shard=(a, b))
 
 
 def store_chunk(state: PrefixState, start: int, emitted: dict[int, LayerState]) -> None:
-    """Add a chunk's emitted state (batch row 0) to the prefix state."""
+    """Add a chunk's emitted state (batch row 0) to the prefix state: its rows where they are owned."""
+    owned = state.owns(start)
     for i, new in emitted.items():
-        state.layers[i] = state.layers[i].append(start, new.row(0))
+        layer = state.layers[i]
+        state.layers[i] = layer.append(start - state.offset, new.row(0)) if owned else layer.advance(new.row(0))
+
+
+def check_prompt(model: PrefixLM, prompt_ids, parallel: SequenceParallel | None) -> torch.Tensor:
+    cfg = model.config
+    prompt = as_ids(prompt_ids, "prompt", cfg.vocab_size)
+    if prompt.numel() > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    if parallel is not None:
+        parallel.check_same(prompt, "prompt")
+        if prompt.numel() - 1 < parallel.size:
+            raise ValueError(f"a prompt of {prompt.numel()} tokens leaves some of the {parallel.size} sequence-parallel "
+                             f"ranks without a token; use fewer ranks or a longer prompt")
+    return prompt
 
 
 @torch.no_grad()
@@ -57,13 +86,12 @@ def capture(
     chunk_size: int = DEFAULT_CHUNK,
     *,
     progress: bool = False,
+    parallel: SequenceParallel | None = None,
 ) -> PrefixState:
-    """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd."""
-    cfg = model.config
-    prompt = as_ids(prompt_ids, "prompt", cfg.vocab_size)
-    if prompt.numel() > cfg.max_position_embeddings:
-        raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
-    state = empty_state(model, prompt, chunk_size)
+    """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd (this rank's shard of it, with
+    `parallel`; every rank of the group passes the same prompt)."""
+    prompt = check_prompt(model, prompt_ids, parallel)
+    state = empty_state(model, prompt, chunk_size, parallel)
     for s, e in tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False):
-        store_chunk(state, s, run_chunk(model, state, s, e))
+        store_chunk(state, s, run_chunk(model, state, s, e, parallel=parallel))
     return state

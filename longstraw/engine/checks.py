@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.protocol import PrefixLM
+from ..parallel import SequenceParallel
 from ..state import PrefixState
 
 
@@ -56,9 +57,15 @@ def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what
     return out
 
 
-def check_state(model: PrefixLM, state: PrefixState) -> None:
+def check_state(model: PrefixLM, state: PrefixState, parallel: SequenceParallel | None = None) -> None:
     if state.model_fingerprint != model.config.fingerprint:
         raise ValueError(
             "this prefix state was captured with a different model architecture "
             f"({state.model_fingerprint} != {model.config.fingerprint}); capture the prompt again with this model"
         )
+    if parallel is None and state.shard is not None:
+        raise ValueError(f"this prefix state is one rank's shard (tokens {state.shard}); pass the `parallel` group "
+                         "it was captured with")
+    if parallel is not None and state.shard != tuple(parallel.ranges(state.length)[parallel.rank]):
+        raise ValueError(f"this prefix state holds tokens {state.shard}, not rank {parallel.rank}'s range of this "
+                         f"{parallel.size}-rank group; capture it with the same `parallel` group")

@@ -6,6 +6,10 @@ branch, and the backward re-uses the merged output and log-sum-exp, so each part
 same flash-style kernel (the identity used by ring attention).
 
 Shapes: q [B, H, T, d]; k, v [B, Hkv, T, d]; prefix k, v [Hkv, N, d] shared by all B rows.
+
+With a `parallel` group (longstraw.parallel.SequenceParallel) the prefix is this rank's rows only: the prefix
+part is merged across the group's ranks first. In backward, this rank's prefix part adds its rows' gradient to the
+sink, and the ranks' shares of dq are summed, so that q's gradient is the same on every rank (parallel/sequence.py).
 """
 
 from __future__ import annotations
@@ -128,20 +132,30 @@ def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tens
     return o.to(o1.dtype), lse
 
 
+def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q [B, H, T, d] over the prefix rows (this rank's, merged over the group with `parallel`)."""
+    b, h = q.shape[:2]
+    if pk.shape[1]:
+        o, lse = part_forward(_fold(q, pk.shape[0]), pk[None], pv[None], False, scale, kernel)
+        o, lse = _unfold(o, b, h), _unfold(lse, b, h)
+    else:  # a rank that holds none of the visible rows
+        o = q.new_zeros(*q.shape[:-1], pv.shape[-1])
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+    return (o, lse) if parallel is None else parallel.merge(o, lse)
+
+
 class _PrefixSegmentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel):
-        b, h = q.shape[:2]
-        hkv = k.shape[1]
-        o_p, l_p = part_forward(_fold(q, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
+    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel):
+        o_p, l_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
         o_s, l_s = part_forward(q, k, v, True, scale, kernel)
-        o, lse = _merge(_unfold(o_p, b, h), _unfold(l_p, b, h), o_s, l_s)
+        o, lse = _merge(o_p, l_p, o_s, l_s)
         ctx.save_for_backward(q, k, v, o, lse)
         # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
         # attribute (autograd's version check would otherwise reject the later appends beyond it).
         ctx.prefix = (prefix_k, prefix_v)
         ctx.grads = (grad_k, grad_v)
-        ctx.scale, ctx.kernel = scale, kernel
+        ctx.scale, ctx.kernel, ctx.parallel = scale, kernel, parallel
         return o
 
     @staticmethod
@@ -152,12 +166,17 @@ class _PrefixSegmentAttention(torch.autograd.Function):
         hkv = k.shape[1]
         do = do.contiguous()
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel)
-        f = lambda x: _fold(x, hkv)  # noqa: E731
-        dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel)
-        if gk is not None:
-            gk.add_(dpk[0])
-            gv.add_(dpv[0])
-        return dq + _unfold(dqp, b, h), dk, dv, None, None, None, None, None, None
+        dqp = torch.zeros_like(dq) if ctx.parallel is not None else None  # a rank may hold none of the rows
+        if pk.shape[1]:
+            f = lambda x: _fold(x, hkv)  # noqa: E731
+            dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel)
+            if gk is not None:
+                gk.add_(dpk[0])
+                gv.add_(dpv[0])
+            dqp = _unfold(dqp, b, h)
+        if ctx.parallel is not None:
+            dqp = ctx.parallel.sum_(dqp)  # all ranks' rows' shares: q's gradient is the same on every rank
+        return dq if dqp is None else dq + dqp, dk, dv, None, None, None, None, None, None, None
 
 
 def segment_attention(
@@ -168,29 +187,30 @@ def segment_attention(
     prefix: tuple[Tensor, Tensor] | None = None,
     prefix_grad: tuple[Tensor, Tensor] | None = None,
     kernel: str = "auto",
+    parallel=None,
 ) -> Tensor:
     """Causal attention of a segment over `prefix` (constant to autograd) and its own keys.
 
     If `prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact mode
-    collects the gradient of the prefix state across branches and prompt chunks.
+    collects the gradient of the prefix state across branches and prompt chunks. With `parallel`, `prefix` is this
+    rank's rows (possibly none) of a prefix sharded over the group.
     """
-    if prefix is None or prefix[0].shape[1] == 0:
+    if prefix is None or (parallel is None and prefix[0].shape[1] == 0):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
-    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel)
+    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel)
 
 
 @torch.no_grad()
 def decode_attention(
-    q: Tensor, own_k: Tensor, own_v: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None
+    q: Tensor, own_k: Tensor, own_v: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None,
+    parallel=None,
 ) -> Tensor:
     """One new token per row (q [B, H, 1, d]) over the shared prefix and the row's own tokens so far, itself
     included (own_k/own_v [B, Hkv, L+1, d]); merged by log-sum-exp like `segment_attention`."""
     if q.shape[2] != 1:
         raise ValueError("decode_attention takes one query token per row")
     o, lse = part_forward(q, own_k, own_v, False, scale)
-    if prefix is not None and prefix[0].shape[1]:
-        b, h = q.shape[:2]
-        o_p, l_p = part_forward(_fold(q, own_k.shape[1]), prefix[0][None], prefix[1][None], False, scale)
-        o, lse = _merge(_unfold(o_p, b, h), _unfold(l_p, b, h), o, lse)
+    if prefix is not None and (parallel is not None or prefix[0].shape[1]):
+        o, lse = _merge(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel), o, lse)
     return o

@@ -21,6 +21,9 @@ class PrefixState:
 
     `chunks` are the (start, end) ranges the prompt was captured in. For the exact mode, `boundaries[i]` holds
     `boundary_states` at the start of chunk i (to recompute chunk i), for every `boundary_every`-th chunk.
+
+    A state sharded over a sequence-parallel group holds, on each rank, the rows of its `shard` (start, end) of
+    every per-token layer, the whole prompt's fixed-size states, and the boundaries of its own chunks.
     """
 
     layers: list[LayerState]
@@ -28,6 +31,15 @@ class PrefixState:
     chunks: list[tuple[int, int]]
     model_fingerprint: str
     boundaries: dict[int, dict[int, LayerState]] = field(default_factory=dict)
+    shard: tuple[int, int] | None = None  # None: all of the prompt's rows are here
+
+    @property
+    def offset(self) -> int:
+        """Position of the first row held."""
+        return 0 if self.shard is None else self.shard[0]
+
+    def owns(self, position: int) -> bool:
+        return self.shard is None or self.shard[0] <= position < self.shard[1]
 
     @property
     def length(self) -> int:

@@ -143,7 +143,8 @@ class LayerState(ABC):
 
     @abstractmethod
     def advance(self, new: LayerState) -> LayerState:
-        """What branches continue from after a decode step emitted `new`."""
+        """The state after a segment emitted `new` whose rows are kept elsewhere (in the decode buffers, or on the
+        rank that owns them): a fixed-size state moves on to `new`, per-token rows stay as they are."""
 
 
 class TokenState(LayerState):
@@ -242,4 +243,4 @@ class FixedState(LayerState):
         return None
 
     def advance(self, new):
-        return new
+        return new.detach()

@@ -7,20 +7,29 @@ step also writes its new tokens into a `DecodeCache`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .protocol import LayerState
 
+if TYPE_CHECKING:
+    from ..parallel import SequenceParallel
+
 
 @dataclass
 class PrefixView:
     """Each layer's prefix state with its first `length` tokens visible, and, in exact mode, the dState sinks
-    (`grads`, one per layer) that the backward adds dLoss/dPrefix into."""
+    (`grads`, one per layer) that the backward adds dLoss/dPrefix into.
+
+    Sharded over a sequence-parallel group (`parallel`), per-token layers hold this rank's rows only, the first of
+    them at position `offset`; fixed-size states are the whole prefix's on every rank."""
 
     layers: list[LayerState]
     length: int
     grads: dict[int, LayerState] | None = None
+    offset: int = 0
+    parallel: SequenceParallel | None = None
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -61,18 +70,28 @@ class Segment:
         if self.collect:
             self.emitted[layer] = state
 
+    @property
+    def parallel(self) -> SequenceParallel | None:
+        """The group the prefix is sharded over (None: it is all here)."""
+        return None if self.prefix is None else self.prefix.parallel
+
+    def _visible(self, rows: LayerState) -> LayerState:
+        p = self.prefix
+        return rows.narrow(0, min(max(p.length - p.offset, 0), rows.tokens))
+
     def prefix_rows(self, layer: int) -> LayerState | None:
-        """The visible rows of a per-token layer's prefix state; None when there are none."""
+        """The visible rows of a per-token layer's prefix state (this rank's, when sharded: maybe none of them);
+        None when the prefix is empty."""
         if self.prefix is None or self.prefix.length == 0:
             return None
-        return self.prefix.layers[layer].narrow(0, self.prefix.length)
+        return self._visible(self.prefix.layers[layer])
 
     def prefix_grad(self, layer: int) -> LayerState | None:
         """The dState sink for those rows (exact mode), else None."""
         p = self.prefix
         if p is None or p.grads is None or p.length == 0:
             return None
-        return p.grads[layer].narrow(0, p.length)
+        return self._visible(p.grads[layer])
 
     def initial_state(self, layer: int) -> LayerState | None:
         """The fixed-size state a layer starts from (None: from zeros, at the sequence start)."""

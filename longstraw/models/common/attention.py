@@ -76,9 +76,10 @@ class Attention(TokenMixer):
         prefix = None if rows is None else (rows.k, rows.v)
         if seg.cache is not None:
             own = seg.cache.extend(self.layer_idx, kv)  # the branch's tokens so far, this one included
-            out = decode_attention(q, own.k, own.v, self.scale, prefix)
+            out = decode_attention(q, own.k, own.v, self.scale, prefix, parallel=seg.parallel)
         else:
-            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, None if sink is None else (sink.k, sink.v))
+            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, None if sink is None else (sink.k, sink.v),
+                                    parallel=seg.parallel)
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))

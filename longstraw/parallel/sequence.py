@@ -1,0 +1,104 @@
+"""`SequenceParallel`: C ranks of a torch.distributed group that hold one prefix state together.
+
+Rank r owns the rows of one contiguous, balanced token range (`ranges`); fixed-size states are replicated. Every
+forward over the state (a prompt chunk, a batch of branches, a decode step) is run by all ranks of the group on
+the same tokens: the token-local work is replicated, and attention over the prefix is split by owner. Each rank
+attends the segment's queries over its own rows and the partial results merge exactly by log-sum-exp (`merge`),
+so every rank holds the same output. In a backward the gradient of a rank's own rows stays on it (dState is
+sharded like the state), and the ranks' shares of the queries' gradient are summed (`sum_`), so that everything
+replicated (the segment's activations, parameters, fixed-size states) gets the same, exact gradient on every
+rank: no parameter gradient needs reducing over the group.
+
+Why this schedule: one primitive serves capture, replay, the exact prompt backward and decoding; all ranks run
+the same collectives in the same order (ZeRO-3 / FSDP gather parameters layer by layer, in lockstep); and at
+long prompts attention over the prefix is most of the work (Qwen3.5-27B at 2.1M tokens: ~88% of a forward's
+FLOPs), which it splits C ways. What it does not split is the token-local work (projections, MLPs, the
+recurrence), which every rank repeats; a layer-major wavefront or LASP-2 state passing would split that too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+def balanced_ranges(length: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges covering [0, length), sizes differing by at most one (the first ones larger)."""
+    base, extra = divmod(length, parts)
+    starts = [r * base + min(r, extra) for r in range(parts + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def _in_place(t: Tensor, collective) -> Tensor:
+    """Run `collective` on `t` in place; collectives move raw storage, so a strided view goes through a copy."""
+    if t.is_contiguous():
+        collective(t)
+        return t
+    c = t.contiguous()
+    collective(c)
+    return t.copy_(c)
+
+
+class SequenceParallel:
+    """The sequence-parallel group (default: the whole world) and the collectives the engine needs of it."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("SequenceParallel needs torch.distributed.init_process_group() first (torchrun sets "
+                               "RANK/WORLD_SIZE; use backend gloo on CPU, nccl on GPU)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    @classmethod
+    def from_mesh(cls, mesh, dim: str = "sp") -> "SequenceParallel":
+        """The group of a DeviceMesh dimension (e.g. ("dp", "sp"))."""
+        return cls(mesh.get_group(dim))
+
+    def ranges(self, length: int) -> list[tuple[int, int]]:
+        return balanced_ranges(length, self.size)
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    # ---- collectives ------------------------------------------------------------------------------------
+    def merge(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """The partial attention results (o [..., d], lse [...]) of all ranks merged by log-sum-exp; a rank with
+        no rows passes lse = -inf. Returns the same (o, lse) on every rank."""
+        lses = [torch.empty_like(lse) for _ in range(self.size)]
+        dist.all_gather(lses, lse.contiguous(), group=self.group)
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+        acc = torch.promote_types(o.dtype, torch.float32)
+        weighted = o.to(acc) * torch.exp(lse - safe)[..., None].to(acc)
+        dist.all_reduce(weighted, group=self.group)
+        return weighted.to(o.dtype), total
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """In place: the sum of `t` over the group."""
+        return _in_place(t, lambda c: dist.all_reduce(c, group=self.group))
+
+    def broadcast_(self, t: Tensor, src: int) -> Tensor:
+        """In place: `t` of rank `src` (a rank of this group) on every rank."""
+        return _in_place(t, lambda c: dist.broadcast(c, self.global_rank(src), group=self.group))
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t)
+
+    def check_same(self, ids: Tensor, what: str) -> None:
+        """ValueError on every rank unless every rank passed the same token ids."""
+        digest = hashlib.sha256(ids.detach().to(torch.int64).cpu().numpy().tobytes()).digest()
+        mine = torch.tensor([ids.numel(), *digest[:7]], dtype=torch.int64)
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(lo, hi):
+            raise ValueError(f"the ranks of the sequence-parallel group passed different {what}; every rank must "
+                             f"pass the same full {what} (rank {self.rank} has {ids.numel()} tokens)")
