@@ -3,6 +3,11 @@
 Positions 0..N-1 are the prefix state (constant to autograd; the backward adds into a gradient sink), positions
 N..N+T-1 the segment's own tokens (ordinary autograd inputs). Memory stays bounded: selection streams over the
 prefix in blocks, attention processes queries in blocks and recomputes the gathers in backward.
+
+Sharded over a sequence-parallel group, a rank holds prefix rows [offset, offset + rows) only. Selection is
+global: each rank's top-k candidates are gathered and merged with the own tokens under the same tie rule.
+Attention is two partial softmaxes, over the selected prefix rows (this rank's, merged by log-sum-exp over the
+group) and over the selected own rows; the backward uses the merged output, and sums the ranks' shares of dq.
 """
 
 from __future__ import annotations
@@ -12,85 +17,136 @@ import torch
 Tensor = torch.Tensor
 KEY_BLOCK = 4096
 QUERY_BLOCK = 64
+NEG = float("-inf")
+
+
+def _keep_topk(vals: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best of candidates listed in position order; equal scores: the earlier candidate (lower position)
+    wins, and the kept ones stay in list order."""
+    if vals.shape[-1] <= k:
+        return vals, pos
+    keep = torch.sort(vals, dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+    return vals.gather(-1, keep), pos.gather(-1, keep)
+
+
+def topk_candidates(score_blocks, k: int) -> tuple[Tensor, Tensor] | None:
+    """(scores, positions) [B, T, k'] of the k best positions over an iterator of (first_position, scores
+    [B, T, L]) in increasing position order (None if it is empty); -inf marks positions a query may not see."""
+    run = None
+    for p0, s in score_blocks:
+        pos = torch.arange(p0, p0 + s.shape[-1], device=s.device).expand_as(s)
+        run = (s, pos) if run is None else (torch.cat([run[0], s], dim=-1), torch.cat([run[1], pos], dim=-1))
+        run = _keep_topk(*run, k)
+    return run
 
 
 def select_topk(score_blocks, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k positions per query from an iterator of (first_position, scores [B, T, L]) in increasing position
-    order; -inf marks positions a query may not see. Equal scores: the lower position wins (deterministic).
-
-    Returns (positions [B, T, k'] ascending, valid [B, T, k']) with k' = min(k, positions seen).
-    """
-    run_v = run_p = None
-    for p0, s in score_blocks:
-        pos = torch.arange(p0, p0 + s.shape[-1], device=s.device).expand_as(s)
-        cand_v = s if run_v is None else torch.cat([run_v, s], dim=-1)
-        cand_p = pos if run_p is None else torch.cat([run_p, pos], dim=-1)
-        if cand_v.shape[-1] > k:
-            # candidates are in position order, so a stable sort keeps lower positions first among equal scores;
-            # sorting the chosen indices restores position order for the next merge
-            keep = torch.sort(cand_v, dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
-            cand_v, cand_p = cand_v.gather(-1, keep), cand_p.gather(-1, keep)
-        run_v, run_p = cand_v, cand_p
-    return run_p, run_v > float("-inf")
+    """Top-k positions per query (see `topk_candidates`). Returns (positions [B, T, k'] ascending, valid
+    [B, T, k']) with k' = min(k, positions seen)."""
+    vals, pos = topk_candidates(score_blocks, k)
+    return pos, vals > NEG
 
 
-def _gather_keys(prefix: Tensor | None, own: Tensor, pos: Tensor, n: int) -> Tensor:
-    """Rows at `pos` ([B, t, k]) of the virtual sequence prefix [N, D] ++ own [B, T, D] -> [B, t, k, D]."""
+def select_topk_sharded(prefix_blocks, own: tuple[int, Tensor], k: int, parallel) -> tuple[Tensor, Tensor]:
+    """`select_topk` over a prefix sharded over `parallel` (this rank's blocks, at global positions) followed by
+    the own tokens (first position, scores), the same on every rank."""
+    n, own_scores = own
+    local = topk_candidates(prefix_blocks, k)
+    shape = (*own_scores.shape[:-1], k)
+    vals = own_scores.new_full(shape, NEG)
+    pos = torch.zeros(shape, dtype=torch.long, device=own_scores.device)
+    if local is not None:  # pad to k: every rank gathers the same shape; padding is -inf, never chosen over a row
+        vals[..., : local[0].shape[-1]], pos[..., : local[1].shape[-1]] = local
+    gathered_v, gathered_p = parallel.gather(vals), parallel.gather(pos)  # ranks in order: positions ascend
+    own_pos = torch.arange(n, n + own_scores.shape[-1], device=own_scores.device).expand_as(own_scores)
+    vals, pos = _keep_topk(torch.cat([*gathered_v, own_scores], -1), torch.cat([*gathered_p, own_pos], -1), k)
+    return pos, vals > NEG
+
+
+def _where_rows(prefix: Tensor | None, own: Tensor, pos: Tensor, n: int, offset: int):
+    """The rows at global positions `pos` ([B, t, k]) of prefix (this rank's: [offset, offset + rows)) ++ own
+    [B, T, D] -> (keys [B, t, k, D], in_prefix, mine: the prefix rows this rank holds)."""
     b = own.shape[0]
-    from_prefix = pos < n
-    own_idx = (pos - n).clamp(min=0)
-    rows = own[torch.arange(b, device=own.device)[:, None, None], own_idx]
-    if prefix is None or n == 0:
-        return rows
-    return torch.where(from_prefix[..., None], prefix[pos.clamp(max=n - 1)], rows)
+    in_prefix = pos < n
+    rows = 0 if prefix is None else prefix.shape[0]
+    mine = in_prefix & (pos >= offset) & (pos < offset + rows)
+    keys = own[torch.arange(b, device=own.device)[:, None, None], (pos - n).clamp(min=0)]
+    if rows:
+        keys = torch.where(mine[..., None], prefix[(pos - offset).clamp(0, rows - 1)], keys)
+    return keys, in_prefix, mine
+
+
+def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention over the kept entries: (out [B, t, H, vdim], lse [B, t, H]); none kept: (0, -inf)."""
+    s = s.masked_fill(~keep, NEG)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return torch.einsum("bthk,btkd->bthd", p, values), lse
+
+
+def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return o1 * torch.exp(l1 - safe)[..., None] + o2 * torch.exp(l2 - safe)[..., None], lse
 
 
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad):
-        n = 0 if prefix is None else prefix.shape[0]
+    def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel):
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = q.new_empty(*q.shape[:-1], vdim)
-        lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+        parts = {"pre": [], "own": []}
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
-            keys = _gather_keys(prefix, own, pos[:, sl], n).to(acc)
+            keys, in_prefix, mine = _where_rows(prefix, own, pos[:, sl], n, offset)
+            keys = keys.to(acc)
             s = torch.einsum("bthd,btkd->bthk", q[:, sl].to(acc), keys) * scale
-            s = s.masked_fill(~valid[:, sl, None, :], float("-inf"))
-            lse[:, sl] = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - lse[:, sl, :, None])
-            out[:, sl] = torch.einsum("bthk,btkd->bthd", p, keys[..., :vdim]).to(q.dtype)
-        ctx.save_for_backward(q, own, pos, valid, lse)
-        ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim, ctx.n = prefix, prefix_grad, scale, vdim, n
-        return out
+            vb = valid[:, sl, None, :]
+            parts["pre"].append(_partial(s, vb & mine[:, :, None], keys[..., :vdim]))
+            parts["own"].append(_partial(s, vb & ~in_prefix[:, :, None], keys[..., :vdim]))
+        o_p, l_p = (torch.cat(x, dim=1) for x in zip(*parts["pre"]))
+        if parallel is not None:
+            o_p, l_p = parallel.merge(o_p, l_p)
+        out, lse = _merge(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
+        ctx.save_for_backward(q, own, pos, valid, out, lse)
+        ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim
+        ctx.n, ctx.offset, ctx.parallel = n, offset, parallel
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, own, pos, valid, lse = ctx.saved_tensors
-        prefix, sink, scale, vdim, n = ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim, ctx.n
+        q, own, pos, valid, out, lse = ctx.saved_tensors
+        prefix, sink, scale, vdim, n, offset = ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim, ctx.n, ctx.offset
         acc = lse.dtype
-        dq = torch.zeros_like(q, dtype=acc)
+        dq_own = torch.zeros_like(q, dtype=acc)
+        dq_pre = torch.zeros_like(q, dtype=acc)
         down = torch.zeros_like(own, dtype=acc)
         bidx = torch.arange(q.shape[0], device=q.device)[:, None, None]
+        rows = 0 if prefix is None else prefix.shape[0]
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
             pb = pos[:, sl]
-            keys = _gather_keys(prefix, own, pb, n).to(acc)
+            keys, in_prefix, mine = _where_rows(prefix, own, pb, n, offset)
+            keys = keys.to(acc)
             qb, do = q[:, sl].to(acc), dout[:, sl].to(acc)
             s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
-            p = torch.exp(s.masked_fill(~valid[:, sl, None, :], float("-inf")) - lse[:, sl, :, None])
+            keep = valid[:, sl, None, :] & (mine | ~in_prefix)[:, :, None]
+            # the softmax of the merged output (all ranks' rows and the own ones): this rank's entries of it
+            p = torch.exp(s.masked_fill(~keep, NEG) - lse[:, sl, :, None])
             dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
-            dq[:, sl] = torch.einsum("bthk,btkd->bthd", ds, keys)
+            delta = (do * out[:, sl].to(acc)).sum(-1, keepdim=True)
+            ds = p * (dp - delta) * scale
+            dq_pre[:, sl] = torch.einsum("bthk,btkd->bthd", ds * mine[:, :, None], keys)
+            dq_own[:, sl] = torch.einsum("bthk,btkd->bthd", ds * ~in_prefix[:, :, None], keys)
             dkeys = torch.einsum("bthk,bthd->btkd", ds, qb)
             dkeys[..., :vdim] += torch.einsum("bthk,bthd->btkd", p, do)
-            from_prefix = pb < n
-            own_rows = torch.where(from_prefix, 0, pb - n)
-            down.index_put_((bidx.expand_as(pb), own_rows), torch.where(from_prefix[..., None], 0, dkeys), accumulate=True)
-            if sink is not None and n:
-                sink.index_put_((pb.clamp(max=n - 1),), torch.where(from_prefix[..., None], dkeys, 0).to(sink.dtype),
-                                accumulate=True)
-        return dq.to(q.dtype), down.to(own.dtype), None, None, None, None, None, None
+            own_rows = torch.where(in_prefix, 0, pb - n)
+            down.index_put_((bidx.expand_as(pb), own_rows), torch.where(in_prefix[..., None], 0, dkeys), accumulate=True)
+            if sink is not None and rows:
+                sink.index_put_(((pb - offset).clamp(0, rows - 1),),
+                                torch.where(mine[..., None], dkeys, 0).to(sink.dtype), accumulate=True)
+        if ctx.parallel is not None:
+            dq_pre = ctx.parallel.sum_(dq_pre)  # all ranks' rows' shares: q's gradient is the same on every rank
+        return (dq_own + dq_pre).to(q.dtype), down.to(own.dtype), *([None] * 9)
 
 
 def sparse_latent_attention(
@@ -102,8 +158,15 @@ def sparse_latent_attention(
     scale: float,
     vdim: int,
     prefix_grad: Tensor | None = None,
+    *,
+    length: int | None = None,
+    offset: int = 0,
+    parallel=None,
 ) -> Tensor:
     """Softmax attention of q [B, T, H, D] over the selected rows (`pos`, `valid` [B, T, k]) of prefix [N, D] ++
     own [B, T, D], one shared key/value row set for all heads (absorbed MLA: values are the first `vdim` features
-    of the keys). Returns [B, T, H, vdim]; with `prefix_grad` [N, D], backward adds dLoss/dprefix into it."""
-    return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad)
+    of the keys). Returns [B, T, H, vdim]; with `prefix_grad` [N, D], backward adds dLoss/dprefix into it.
+
+    Sharded (`parallel`): `prefix` holds positions [offset, offset + rows) of a prefix of `length` positions."""
+    n = (0 if prefix is None else prefix.shape[0]) if length is None else length
+    return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel)

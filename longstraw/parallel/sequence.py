@@ -69,14 +69,18 @@ class SequenceParallel:
     def merge(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
         """The partial attention results (o [..., d], lse [...]) of all ranks merged by log-sum-exp; a rank with
         no rows passes lse = -inf. Returns the same (o, lse) on every rank."""
-        lses = [torch.empty_like(lse) for _ in range(self.size)]
-        dist.all_gather(lses, lse.contiguous(), group=self.group)
-        total = torch.logsumexp(torch.stack(lses), dim=0)
+        total = torch.logsumexp(torch.stack(self.gather(lse)), dim=0)
         safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
         acc = torch.promote_types(o.dtype, torch.float32)
         weighted = o.to(acc) * torch.exp(lse - safe)[..., None].to(acc)
         dist.all_reduce(weighted, group=self.group)
         return weighted.to(o.dtype), total
+
+    def gather(self, t: Tensor) -> list[Tensor]:
+        """`t` of every rank (same shape on all), in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
 
     def sum_(self, t: Tensor) -> Tensor:
         """In place: the sum of `t` over the group."""

@@ -1,5 +1,6 @@
 """The prefix state sharded over 2, 3 and 4 gloo ranks gives what one process gives: the state itself (each
-rank's rows), replay log-probs, greedy rollout tokens, and the exact gradient (equal to naive)."""
+rank's rows), replay log-probs, greedy rollout tokens, and the exact gradient (equal to naive). GLM-5's DSA
+selects its top-20 over the whole sharded prefix (a 40-token prompt: sparse in most chunks and every branch)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,25 @@ import torch
 
 import longstraw as ls
 from longstraw.parallel import SequenceParallel, balanced_ranges
-from tests.conftest import flat_grad, rel_err, tiny_model
+from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 from tests.parallel.launch import run_ranks
 
-PROMPT = 23  # a state of 22 tokens: uneven over 3 and 4 ranks
+PROMPTS = {"qwen3": 23, "qwen3_5_text": 23, "glm_moe_dsa": 41}  # states of 22 / 40 tokens: uneven over 3 ranks
 CHUNK = 4
 LENGTHS = (5, 2, 7)
 ADV = [1.0, -0.3, -0.7]
 
 
-def group():
+def group(arch: str):
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 97, (PROMPT,), generator=g), [torch.randint(0, 97, (n,), generator=g) for n in LENGTHS]
+    prompt = torch.randint(0, 97, (PROMPTS[arch],), generator=g)
+    return prompt, [torch.randint(0, 97, (n,), generator=g) for n in LENGTHS]
 
 
 def model(arch: str):
+    if arch == "glm_moe_dsa":
+        torch.manual_seed(0)
+        return ls.build_model(GLM, dtype=torch.float64)
     return tiny_model(arch, dtype=torch.float64)
 
 
@@ -30,7 +35,7 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
     """Everything a rank computes with the sharded state."""
     sp = SequenceParallel()
     m = model(arch)
-    prompt, responses = group()
+    prompt, responses = group(arch)
     cfg = ls.GRPOConfig(prompt_chunk=CHUNK, prompt_graph_budget=0)
     state = ls.capture(m, prompt, CHUNK, parallel=sp)
     out = {f"state.{i}.{j}": t for i, layer in enumerate(state.layers) for j, t in enumerate(layer.tensors())}
@@ -51,7 +56,7 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
 
 def reference(arch: str) -> tuple[torch.nn.Module, ls.PrefixState, dict[str, torch.Tensor]]:
     m = model(arch)
-    prompt, responses = group()
+    prompt, responses = group(arch)
     state = ls.capture(m, prompt, CHUNK)
     out = {f"logp.{i}": lp for i, lp in enumerate(ls.score(m, state, responses))}
     out |= {f"greedy.{i}": s.tokens for i, s in enumerate(ls.rollout(m, state, n=2, max_new_tokens=6, temperature=0))}
@@ -63,11 +68,11 @@ def reference(arch: str) -> tuple[torch.nn.Module, ls.PrefixState, dict[str, tor
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_sharded_state_matches_one_process(arch, world):
     _, state, ref = reference(arch)
     ranks = run_ranks(world, one_rank, arch, timeout=120)
-    ranges = balanced_ranges(PROMPT - 1, world)
+    ranges = balanced_ranges(PROMPTS[arch] - 1, world)
     for i, layer in enumerate(state.layers):
         for j, whole in enumerate(layer.tensors()):
             if layer.token_axis is None:  # fixed-size: every rank holds the whole prompt's

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.attention import decode_attention, segment_attention
-from ...ops.sparse_attention import KEY_BLOCK, select_topk, sparse_latent_attention
+from ...ops.sparse_attention import KEY_BLOCK, select_topk, select_topk_sharded, sparse_latent_attention
 from ...state import LatentState, Segment
 from .mixer import TokenMixer
 from .norm import RMSNorm
@@ -111,18 +111,24 @@ class MLAttention(TokenMixer):
 
     def _select(self, x, q_resid, rope, own: LatentState, prefix: LatentState | None, seg: Segment, causal: bool):
         """Top-k positions per query over prefix ++ own (None: every visible position fits in index_topk).
-        `causal`: own holds the segment's tokens (False when decoding: own is the branch so far, query last)."""
-        n = 0 if prefix is None else prefix.kv.shape[0]
+        `causal`: own holds the segment's tokens (False when decoding: own is the branch so far, query last).
+        Sharded, `prefix` is this rank's rows and the selection is over the whole prefix."""
         if not hasattr(self, "indexer"):
             return seg.dsa_topk  # a "shared" layer reuses the last full indexer's selection
+        n = 0 if seg.prefix is None else seg.prefix.length  # the whole prefix's, on every rank
         sel = None
         if self.index_topk < n + own.kv.shape[1]:
             with torch.no_grad():
                 qw = self.indexer.queries(x, q_resid, rope)
+                rows, offset = (0, 0) if prefix is None else (prefix.kv.shape[0], seg.prefix.offset)
                 # streamed: one block of prefix scores exists at a time
-                blocks = ((p0, self.indexer.scores(qw, prefix.index_k[p0 : p0 + KEY_BLOCK], False)) for p0 in range(0, n, KEY_BLOCK))
+                blocks = ((offset + p0, self.indexer.scores(qw, prefix.index_k[p0 : p0 + KEY_BLOCK], False))
+                          for p0 in range(0, rows, KEY_BLOCK))
                 own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
-                sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
+                if seg.parallel is None:
+                    sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
+                else:
+                    sel = select_topk_sharded(blocks, (n, own_scores), self.index_topk, seg.parallel)
         seg.dsa_topk = sel
         return sel
 
@@ -147,15 +153,18 @@ class MLAttention(TokenMixer):
             kv = own.kv[:, None]
             pk = None if prefix is None else (prefix.kv[None], prefix.kv[None])
             if decoding:
-                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk)
+                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk, parallel=seg.parallel)
             else:
                 pg = None if grad is None else (grad.kv[None], grad.kv[None])
-                o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg)
+                o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg,
+                                      parallel=seg.parallel)
             o = o.transpose(1, 2)[..., : self.rank]
         else:
+            n = 0 if seg.prefix is None else seg.prefix.length
             o = sparse_latent_attention(
                 qa, own.kv, None if prefix is None else prefix.kv, *sel, self.scale, self.rank,
-                None if grad is None else grad.kv,
+                None if grad is None else grad.kv, length=n, offset=0 if seg.prefix is None else seg.prefix.offset,
+                parallel=seg.parallel,
             )
         out = torch.einsum("bthc,hvc->bthv", o, w_uv)
         return self.o_proj(out.reshape(b, t, -1))
