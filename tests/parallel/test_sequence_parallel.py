@@ -95,3 +95,39 @@ def test_sharded_state_matches_one_process(arch, world):
         for key in ("grad.exact", "grad.exact_kept", "grad.detached"):  # replicas stay bitwise in step
             assert torch.equal(r[key], ranks[0][key]), key
     assert rel_err(ref["grad.detached"], ref["grad.naive"]) > 1e-2  # the comparison can tell the modes apart
+
+
+def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
+    """Each rank reports the error it got (as bytes of its message), or none."""
+    sp = SequenceParallel()
+    m = model("qwen3")
+    prompt, responses = group("qwen3")
+    try:
+        if case == "different prompts":
+            ls.capture(m, prompt if rank else prompt.flip(0), CHUNK, parallel=sp)
+        elif case == "different responses":
+            rs = responses if rank else responses[::-1]
+            ls.grpo_backward(m, prompt, rs, ADV, config=ls.GRPOConfig(prompt_chunk=CHUNK), parallel=sp)
+        elif case == "prompt shorter than the group":
+            ls.capture(m, prompt[:world], CHUNK, parallel=sp)
+        elif case == "state of another group":
+            state = ls.capture(m, prompt, CHUNK)
+            ls.score(m, state, responses, parallel=sp)
+    except ValueError as e:
+        return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
+    return {}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("different prompts", "passed different prompt"),
+    ("different responses", "passed different responses"),
+    ("prompt shorter than the group", "without a token"),
+    ("state of another group", "one rank's shard|not rank"),
+])
+def test_bad_input_fails_clearly_on_every_rank(case, message):
+    import re
+
+    ranks = run_ranks(3, bad_input, case, timeout=90)
+    for r in ranks:
+        assert "error" in r, case
+        assert re.search(message, bytes(r["error"].tolist()).decode())
