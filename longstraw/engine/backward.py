@@ -77,6 +77,12 @@ def grpo_backward(
     totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0
+    mine = range(len(resp)) if parallel is None else parallel.branches(len(resp))
+    if parallel is not None and parallel.dp_size > 1:
+        # the data-parallel groups' gradients are summed at the end; earlier contents are every group's alike
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(parallel.dp_size)
     if mode == "naive":
         naive_backward(model, prompt, resp, adv, weights, cfg, old, ref, totals, progress)
     else:
@@ -88,9 +94,19 @@ def grpo_backward(
             state = capture(model, prompt, cfg.prompt_chunk, progress=progress, parallel=parallel)
             grad, kept = None, {}
         state_bytes = state.nbytes
-        replay_backward(model, state, resp, adv, weights, cfg, old, ref, grad, totals, progress, mode, parallel)
+        pick = lambda xs: None if xs is None else [xs[i] for i in mine]  # noqa: E731
+        replay_backward(model, state, pick(resp), adv[list(mine)], pick(weights), cfg, pick(old), pick(ref), grad,
+                        totals, progress, mode, parallel)
         if exact:
+            if parallel is not None and parallel.dp_size > 1:
+                _sum_over_branch_groups(grad, parallel)
             prompt_backward(model, state, grad, kept, progress, parallel)
+        if parallel is not None and parallel.dp_size > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    parallel.dp_sum_(p.grad)
+            t = parallel.dp_sum_(torch.tensor([totals[k] for k in totals], dtype=torch.float64))
+            totals = dict(zip(totals, t.tolist()))
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -152,6 +168,14 @@ def replay_backward(
     for i, leaf in enumerate(leaves or []):
         if (g := leaf.leaf_grad()) is not None:
             grad[i].add_(g)
+
+
+def _sum_over_branch_groups(grad: Grad, parallel: SequenceParallel) -> None:
+    """dState of all branches, divided by the number of data-parallel groups: each group then runs the same prompt
+    backward (in lockstep, as ZeRO-3 and FSDP need), and the sum of their parameter gradients counts it once."""
+    for g in grad.values():
+        for t in g.tensors():
+            parallel.dp_sum_(t).div_(parallel.dp_size)
 
 
 def stored_prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, progress: bool = False) -> None:

@@ -44,20 +44,41 @@ def _in_place(t: Tensor, collective) -> Tensor:
 
 
 class SequenceParallel:
-    """The sequence-parallel group (default: the whole world) and the collectives the engine needs of it."""
+    """The sequence-parallel group (default: the whole world) and the collectives the engine needs of it.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    With a data-parallel group `dp` (the ranks that hold the same token range in the other sequence-parallel
+    groups), the groups split a GRPO group's branches between them (`branches`) and sum what they computed.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, dp: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("SequenceParallel needs torch.distributed.init_process_group() first (torchrun sets "
                                "RANK/WORLD_SIZE; use backend gloo on CPU, nccl on GPU)")
-        self.group = group
+        self.group, self.dp = group, dp
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.dp_rank = 0 if dp is None else dist.get_rank(dp)
+        self.dp_size = 1 if dp is None else dist.get_world_size(dp)
 
     @classmethod
-    def from_mesh(cls, mesh, dim: str = "sp") -> "SequenceParallel":
-        """The group of a DeviceMesh dimension (e.g. ("dp", "sp"))."""
-        return cls(mesh.get_group(dim))
+    def from_mesh(cls, mesh, sp: str = "sp", dp: str | None = "dp") -> "SequenceParallel":
+        """The groups of a DeviceMesh's dimensions, e.g. init_device_mesh("cuda", (N // C, C), ("dp", "sp"))."""
+        names = mesh.mesh_dim_names or ()
+        return cls(mesh.get_group(sp), mesh.get_group(dp) if dp in names else None)
+
+    def branches(self, count: int) -> range:
+        """The branches of a group of `count` that this rank's sequence-parallel group replays."""
+        if count % self.dp_size:
+            raise ValueError(f"a GRPO group of {count} responses does not split evenly over {self.dp_size} "
+                             f"data-parallel groups; use a group size divisible by {self.dp_size}")
+        per = count // self.dp_size
+        return range(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def dp_sum_(self, t: Tensor) -> Tensor:
+        """In place: the sum of `t` over the data-parallel groups."""
+        if self.dp is None:
+            return t
+        return _in_place(t, lambda c: dist.all_reduce(c, group=self.dp))
 
     def ranges(self, length: int) -> list[tuple[int, int]]:
         return balanced_ranges(length, self.size)
@@ -100,9 +121,12 @@ class SequenceParallel:
         """ValueError on every rank unless every rank passed the same token ids."""
         digest = hashlib.sha256(ids.detach().to(torch.int64).cpu().numpy().tobytes()).digest()
         mine = torch.tensor([ids.numel(), *digest[:7]], dtype=torch.int64)
-        lo, hi = mine.clone(), mine.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(lo, hi):
+        same = True
+        for group in (self.group, self.dp) if self.dp is not None else (self.group,):
+            lo, hi = mine.clone(), mine.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            same = same and torch.equal(lo, hi)
+        if not same:
             raise ValueError(f"the ranks of the sequence-parallel group passed different {what}; every rank must "
                              f"pass the same full {what} (rank {self.rank} has {ids.numel()} tokens)")

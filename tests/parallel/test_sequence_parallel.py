@@ -131,3 +131,53 @@ def test_bad_input_fails_clearly_on_every_rank(case, message):
     for r in ranks:
         assert "error" in r, case
         assert re.search(message, bytes(r["error"].tolist()).decode())
+
+
+def branch_parallel_rank(rank: int, world: int, arch: str, dp: int, mode: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sp = SequenceParallel.from_mesh(init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "sp")))
+    m = model(arch)
+    prompt, responses = group(arch)
+    responses = responses + responses[:1]  # G = 4: divisible by the data-parallel groups
+    stats = ls.grpo_backward(m, prompt, responses, ADV + [0.4], mode=mode, config=ls.GRPOConfig(prompt_chunk=CHUNK),
+                             parallel=sp)
+    return {"grad": flat_grad(m), "loss": torch.tensor(stats["loss"], dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("world,dp,arch,mode", [(4, 2, "qwen3_5_text", "exact"), (2, 2, "qwen3", "exact"),
+                                                (4, 4, "glm_moe_dsa", "exact"), (4, 2, "qwen3", "detached")])
+def test_branch_groups_split_the_branches(world, dp, arch, mode):
+    """N ranks as N/C sequence-parallel groups, each replaying a quarter or half of the branches."""
+    m = model(arch)
+    prompt, responses = group(arch)
+    stats = ls.grpo_backward(m, prompt, responses + responses[:1], ADV + [0.4], mode="naive",
+                             config=ls.GRPOConfig(prompt_chunk=CHUNK))
+    want = flat_grad(m)
+    if mode == "detached":
+        m.zero_grad(set_to_none=True)
+        ls.grpo_backward(m, prompt, responses + responses[:1], ADV + [0.4], mode=mode,
+                         config=ls.GRPOConfig(prompt_chunk=CHUNK))
+        want = flat_grad(m)
+    ranks = run_ranks(world, branch_parallel_rank, arch, dp, mode, timeout=120)
+    for r in ranks:
+        assert rel_err(r["grad"], want) <= 1e-10
+        assert float(r["loss"]) == pytest.approx(stats["loss"], abs=1e-12)
+        assert torch.equal(r["grad"], ranks[0]["grad"])
+
+
+def uneven_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sp = SequenceParallel.from_mesh(init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "sp")))
+    prompt, responses = group("qwen3")
+    try:
+        ls.grpo_backward(model("qwen3"), prompt, responses, ADV, parallel=sp)
+    except ValueError as e:
+        return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
+    return {}
+
+
+def test_group_size_must_split_over_branch_groups():
+    for r in run_ranks(2, uneven_rank, timeout=60):
+        assert "does not split evenly over 2" in bytes(r["error"].tolist()).decode()
