@@ -26,6 +26,8 @@ class OptimConfig(_Strict):
     warmup_updates: int = Field(0, ge=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / lr for linear and cosine decay")
+    zero_stage: Literal[0, 1] = Field(0, description="1: the AdamW moments sharded over the torch.distributed "
+                                      "world (ZeRO-1, torch's ZeroRedundancyOptimizer); 0: every rank holds them")
 
 
 class StoreConfig(_Strict):

@@ -5,14 +5,25 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; with `zero_stage: 1` under torch.distributed, ZeRO-1: each rank keeps and updates the moments of
+    1/N of the parameters and broadcasts its updated share (the gradients must be the same on every rank, as
+    `grpo_backward(parallel=...)` leaves them)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.zero_stage == 1:
+        if not dist.is_initialized():
+            raise ValueError("optim.zero_stage 1 shards the optimizer over torch.distributed ranks; initialise the "
+                             "process group first (torchrun), or use zero_stage 0 on one process")
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+    return torch.optim.AdamW(params, **kw)
 
 
 def lr_at(update: int, total: int, cfg: OptimConfig) -> float:
