@@ -59,6 +59,7 @@ class SequenceParallel:
         self.size = dist.get_world_size(group)
         self.dp_rank = 0 if dp is None else dist.get_rank(dp)
         self.dp_size = 1 if dp is None else dist.get_world_size(dp)
+        self.bytes_communicated = 0  # payload this rank handed to collectives (for benchmarks)
 
     @classmethod
     def from_mesh(cls, mesh, sp: str = "sp", dp: str | None = "dp") -> "SequenceParallel":
@@ -78,6 +79,7 @@ class SequenceParallel:
         """In place: the sum of `t` over the data-parallel groups."""
         if self.dp is None:
             return t
+        self.bytes_communicated += t.nelement() * t.element_size()
         return _in_place(t, lambda c: dist.all_reduce(c, group=self.dp))
 
     def ranges(self, length: int) -> list[tuple[int, int]]:
@@ -94,21 +96,24 @@ class SequenceParallel:
         safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
         acc = torch.promote_types(o.dtype, torch.float32)
         weighted = o.to(acc) * torch.exp(lse - safe)[..., None].to(acc)
-        dist.all_reduce(weighted, group=self.group)
+        self.sum_(weighted)
         return weighted.to(o.dtype), total
 
     def gather(self, t: Tensor) -> list[Tensor]:
         """`t` of every rank (same shape on all), in rank order."""
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t.contiguous(), group=self.group)
+        self.bytes_communicated += t.nelement() * t.element_size()
         return out
 
     def sum_(self, t: Tensor) -> Tensor:
         """In place: the sum of `t` over the group."""
+        self.bytes_communicated += t.nelement() * t.element_size()
         return _in_place(t, lambda c: dist.all_reduce(c, group=self.group))
 
     def broadcast_(self, t: Tensor, src: int) -> Tensor:
         """In place: `t` of rank `src` (a rank of this group) on every rank."""
+        self.bytes_communicated += t.nelement() * t.element_size()
         return _in_place(t, lambda c: dist.broadcast(c, self.global_rank(src), group=self.group))
 
     def agree_min(self, value: int) -> int:

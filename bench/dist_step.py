@@ -1,0 +1,132 @@
+"""One exact GRPO step with the prefix state sharded over N ranks (torchrun, gloo on CPU / nccl on GPU).
+
+For each N, `torchrun --standalone --nproc-per-node N` runs this script in its `--worker` role: every rank builds
+the same model, runs one warm-up step, then one measured `grpo_backward(mode="exact", parallel=sp)`, and writes
+its wall seconds, peak RSS above the RSS before the call, state bytes and the payload it handed to collectives.
+The parent prints one row per N with the ratio against N = 1 and checks that the gradient equals N = 1's.
+
+    .venv/bin/python bench/dist_step.py                       # N in {1, 2, 4}, P = 16384, G = 8, tiny dense model
+    .venv/bin/python bench/dist_step.py --N 1 2 --P 4096 --arch qwen3_5
+
+On CPU every rank is one process with `--threads` threads: with more ranks x threads than cores, the ranks
+share cores and wall time says little; the state bytes per rank and the traffic do not depend on that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from archs import ARCHS  # noqa: E402
+
+MIB = 2**20
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import longstraw as ls
+    from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
+    from longstraw.parallel import SequenceParallel
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    sp = SequenceParallel()
+    torch.manual_seed(0)
+    model = ls.build_model(ARCHS[args.arch](args.P + args.R + 8))
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (args.P,), generator=gen)
+    responses = [torch.randint(0, vocab, (args.R,), generator=gen) for _ in range(args.G)]
+    adv = ls.group_advantages(torch.rand(args.G, generator=gen, dtype=torch.float64))
+    cfg = ls.GRPOConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0)
+    ls.grpo_backward(model, prompt[:256], responses[:2], adv[:2] - adv[:2].mean(), config=cfg, parallel=sp)
+    model.zero_grad(set_to_none=True)
+    release_freed()
+    sp.bytes_communicated = 0
+    dist.barrier()
+    before = current_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", config=cfg, parallel=sp)
+    wall = time.perf_counter() - t0
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,
+           "state_bytes": stats["state_bytes"], "peak_state_bytes": stats["peak_state_bytes"],
+           "bytes_communicated": sp.bytes_communicated, "grad_norm": float(grad.norm()),
+           "grad_head": grad[:2048].tolist()}
+    Path(args.out_dir, f"rank-{sp.rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run(n: int, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               os.path.abspath(__file__), "--worker", "--out-dir", d, "--P", str(args.P), "--G", str(args.G),
+               "--R", str(args.R), "--arch", args.arch, "--threads", str(args.threads),
+               "--prompt-chunk", str(args.prompt_chunk)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(__file__).parent)}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        files = sorted(Path(d).glob("rank-*.json"))
+        if done.returncode or len(files) != n:
+            raise RuntimeError(f"N={n} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return [json.loads(f.read_text()) for f in files]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--N", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--P", type=int, default=16384)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--R", type=int, default=64)
+    ap.add_argument("--arch", default="dense", choices=list(ARCHS))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt-chunk", type=int, default=2048)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default="bench/out/dist_step.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    print(f"dist_step: arch={args.arch} P={args.P} G={args.G} R={args.R} chunk={args.prompt_chunk} "
+          f"threads/rank={args.threads} cores={os.cpu_count()}", flush=True)
+    import math
+
+    rows, base = [], None
+    head = (f"{'N':>3} {'wall s':>8} {'vs N=1':>7} {'state MiB/rank':>15} {'state+dState MiB/rank':>22} "
+            f"{'peak MiB/rank (max)':>20} {'comm MiB/rank':>14} {'grad rel err vs N=1':>20}")
+    print(head + "\n" + "-" * len(head), flush=True)
+    for n in args.N:
+        ranks = run(n, args)
+        wall = max(r["seconds"] for r in ranks)
+        if base is None:
+            base = {**ranks[0], "wall": wall}
+        err = math.sqrt(sum((a - b) ** 2 for a, b in zip(ranks[0]["grad_head"], base["grad_head"])))
+        err /= math.sqrt(sum(b * b for b in base["grad_head"])) or 1.0
+        row = {"N": n, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
+               "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
+               "peak_state_bytes_per_rank": [r["peak_state_bytes"] for r in ranks],
+               "peak_delta_bytes_per_rank": [r["peak_delta_bytes"] for r in ranks],
+               "bytes_communicated_per_rank": [r["bytes_communicated"] for r in ranks],
+               "grad_rel_err_vs_1_first_2048": err}
+        rows.append(row)
+        print(f"{n:>3} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['state_bytes_per_rank']) / MIB:>15.2f} "
+              f"{max(row['peak_state_bytes_per_rank']) / MIB:>22.2f} {max(row['peak_delta_bytes_per_rank']) / MIB:>20.1f} "
+              f"{max(row['bytes_communicated_per_rank']) / MIB:>14.1f} {err:>20.2e}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
