@@ -1,4 +1,4 @@
-"""Command line: `longstraw step`, `longstraw state-size`, `longstraw sft` (see --help of each); the pipeline's
+"""Command line: `longstraw step`, `longstraw state-size`, `longstraw plan`, `longstraw sft` (see --help of each); the pipeline's
 `train`, `resume`, `serve` and `ui` are added by flows/cli.py."""
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def _state_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .models import read_config
+    from .plan import format_plan, measured_activation_bytes, plan, smallest_fit
+
+    cfg = read_config(args.config)
+    act = int(args.activation_kb * 1e3) if args.activation_kb else measured_activation_bytes(cfg)
+    kw = dict(zero=args.zero, chunk=args.chunk, responses=args.responses, response_tokens=args.response_tokens,
+              activation_bytes=act)
+    r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
+    fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
+    print(format_plan(r, *fits))
+    _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1]})
+    return 0
+
+
 def _sft(args: argparse.Namespace) -> int:
     from .config import load_config
     from .train.sft import SFTConfig, run_sft
@@ -76,6 +91,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--chunk", type=int, default=2048, help="prompt chunk size (exact-mode boundary states)")
     p.add_argument("--json", help="also write the report to this JSON file")
     p.set_defaults(func=_state_size)
+    p = sub.add_parser("plan", help="per-rank memory of one GRPO step on N GPUs, and the smallest N that fits")
+    p.add_argument("--config", required=True, help="config.json (or its directory)")
+    p.add_argument("--tokens", type=int, required=True, help="prompt length in tokens")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu-mem-gb", type=float, required=True)
+    p.add_argument("--zero", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
+    p.add_argument("--sp", type=int, help="sequence-parallel group size (default: all GPUs)")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt chunk")
+    p.add_argument("--responses", type=int, default=8, help="G")
+    p.add_argument("--response-tokens", type=int, default=1024, help="R")
+    p.add_argument("--activation-kb", type=float, help="activations per token (KB) instead of measuring them")
+    p.add_argument("--json", help="also write the plan to this JSON file")
+    p.set_defaults(func=_plan)
     p = sub.add_parser("sft", help="supervised warm start of a tiny model on a built-in task (reward before/after)")
     p.add_argument("--config", default="configs/sft-tiny.yaml", help="YAML SFTConfig")
     p.add_argument("--task", help="override the config's task (kv-retrieval, multi-hop, needle-count)")

@@ -1,0 +1,135 @@
+"""`longstraw plan`: bytes per rank of one exact (or detached) GRPO step on N GPUs, from config.json alone.
+
+Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the branches):
+- parameters, gradients and optimizer state under ZeRO stage z (mixed precision as DeepSpeed counts it: bf16
+  weights and gradients, fp32 master weights and AdamW moments = 12 bytes per parameter);
+- the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
+  holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
+- one prompt chunk's autograd activations (every rank runs every chunk), measured on a one-layer proxy of each
+  layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed (`prompt_graph_budget: 0`).
+
+What the engine runs today: parameters replicated on every rank (stage 0, or 1 with `optim.zero_stage: 1`);
+stages 2 and 3 are planned here so that the size of a run can be judged, and are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .engine.budget import activation_bytes_per_token
+from .models.registry import build, build_model, config_from_hf
+from .state_size import state_size
+
+GIB = 2**30
+
+
+def _proxies(hf_config: dict) -> list[tuple[int, dict, bool]]:
+    """(how many layers, a config of one such layer, whether the last layer is one) for each distinct layer kind;
+    small vocab, MoE cut to the experts a token uses (what a token's activations depend on)."""
+    cfg = dict(hf_config.get("text_config") or hf_config) if hf_config["model_type"] == "qwen3_5" else dict(hf_config)
+    cfg.update(vocab_size=256, tie_word_embeddings=False)
+    model_cfg = config_from_hf(hf_config)
+    if hf_config["model_type"] in ("qwen3_5", "qwen3_5_text"):
+        cfg["model_type"] = "qwen3_5_text"
+        kinds, key = model_cfg.layer_types, "layer_types"
+    elif hf_config["model_type"] == "glm_moe_dsa":
+        cfg.update(n_routed_experts=cfg["num_experts_per_tok"], n_group=1, topk_group=1)
+        kinds, key = model_cfg.mlp_layer_types, "mlp_layer_types"
+    else:
+        return [(model_cfg.num_hidden_layers, cfg, True)]
+    return [(kinds.count(k), {**cfg, key: [k]}, k == kinds[-1]) for k in dict.fromkeys(kinds)]
+
+
+def _layers(cfg: dict, n: int) -> dict:
+    """`cfg` with n layers of its one kind."""
+    out = {**cfg, "num_hidden_layers": n}
+    for key in ("layer_types", "mlp_layer_types"):
+        if key in cfg:
+            out[key] = cfg[key] * n
+    if cfg["model_type"] == "glm_moe_dsa":
+        out["indexer_types"] = ["full"] * n
+    return out
+
+
+def measured_activation_bytes(hf_config: dict) -> int:
+    """Autograd-saved bytes per prompt token of the whole model (bf16), from proxies of one and two layers of each
+    kind: a prompt chunk's last layer only emits its state, so a layer costs what the second one adds."""
+    def probe(cfg: dict) -> int:
+        torch.manual_seed(0)
+        return activation_bytes_per_token(build_model(cfg, dtype=torch.bfloat16))
+
+    total = 0
+    for count, cfg, has_last in _proxies(hf_config):
+        one = probe(_layers(cfg, 1))
+        layer = probe(_layers(cfg, 2)) - one
+        total += (count - 1) * layer + one if has_last else count * layer
+    return total
+
+
+def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
+         chunk: int = 2048, responses: int = 8, response_tokens: int = 1024, activation_bytes: int | None = None
+         ) -> dict:
+    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them)."""
+    c = sp or gpus
+    if gpus % c or c < 1:
+        raise ValueError(f"--sp {c} must divide --gpus {gpus}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero {zero}: ZeRO stages are 0, 1, 2, 3")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build(hf_config).parameters())
+    size = state_size(hf_config, tokens, "bf16", chunk)
+    act = measured_activation_bytes(hf_config) if activation_bytes is None else activation_bytes
+    n = gpus
+    weights = 2 * params / (n if zero >= 3 else 1)
+    grads = 2 * params / (n if zero >= 2 else 1)
+    optim = 12 * params / (n if zero >= 1 else 1)
+    rows = size["bytes_per_token"] * tokens / c
+    state = rows + size["fixed_bytes"]
+    dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
+    boundaries = size["fixed_bytes"] * math.ceil(size["prompt_chunks"] / c)
+    chunk_act = act * chunk
+    branches = max(1, responses // (gpus // c))
+    branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
+    common = weights + grads + optim + state
+    exact = common + dstate + boundaries + max(chunk_act, branch_act)
+    detached = common + branch_act  # its capture runs without autograd
+    budget = gpu_mem_gb * 1e9
+    return {
+        "model_type": size["model_type"], "parameters": params, "tokens": tokens, "gpus": gpus, "sp": c,
+        "dp": gpus // c, "zero": zero, "chunk": chunk, "branches_per_group": branches,
+        "activation_bytes_per_token": act, "gpu_bytes": budget,
+        "per_rank": {"parameters": weights, "gradients": grads, "optimizer": optim, "state shard": state,
+                     "dState shard": dstate, "boundary states": boundaries, "one chunk's activations": chunk_act,
+                     "one branch's activations": branch_act},
+        "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
+        "detached_fits": detached <= budget,
+    }
+
+
+def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
+    """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096."""
+    act = kw.pop("activation_bytes", None) or measured_activation_bytes(hf_config)
+    for n in [2**i for i in range(13)]:
+        if plan(hf_config, tokens, n, gpu_mem_gb, activation_bytes=act, **kw)[f"{mode}_fits"]:
+            return n
+    return None
+
+
+def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str:
+    gb = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
+    lines = [f"{r['model_type']}: {r['parameters'] / 1e9:.2f}B parameters, {r['tokens']:,} tokens, {r['gpus']} GPUs "
+             f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
+             f"chunk {r['chunk']:,}", f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token "
+             "(measured on one-layer proxies)", "per rank:"]
+    for name, b in r["per_rank"].items():
+        lines.append(f"  {name:<26}{gb(b)}")
+    for mode in ("exact", "detached"):
+        verdict = "fits" if r[f"{mode}_fits"] else "does NOT fit"
+        lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}")
+    for mode, n in (("exact", fit_exact), ("detached", fit_detached)):
+        lines.append(f"smallest N for {mode}: {n if n else 'more than 4096'} GPUs (ZeRO-{r['zero']}, one group)")
+    if r["zero"] >= 2:
+        lines.append("note: the engine implements ZeRO-0/1 so far; stages 2 and 3 are planned here, not runnable yet")
+    return "\n".join(lines)
