@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch a LongStraw command on a GPU machine under torchrun (or DeepSpeed's launcher).
 #
-#   infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--replicate] [--dry-run] -- <longstraw args...>
+#   infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>
 #
 #   infra/launch.sh --nproc 1 -- train --config configs/train-tiny.yaml
 #   infra/launch.sh --nproc 1 --deepspeed infra/deepspeed/zero2.json -- step --config configs/tiny.yaml
@@ -14,13 +14,12 @@
 # (library commands step/state-size/sft plus the pipeline's train/resume/serve/ui); --module longstraw.cli runs
 # the library commands only.
 #
-# HONEST STATUS: the distributed training path (ranks sharing one run, DeepSpeed ZeRO sharding of optimizer state
-# and gradients) arrives with a later issue. Today every LongStraw command is single-process: it reads no
-# RANK/LOCAL_RANK/WORLD_SIZE, does not initialise torch.distributed and does not read a DeepSpeed config. Under
-# this wrapper each rank therefore runs the WHOLE command on its own, on the same device and the same run
-# directory. So N > 1 is refused unless --replicate is given (only useful to smoke-test the launcher), and
-# --deepspeed only exports the config's path as LONGSTRAW_DEEPSPEED_CONFIG, which nothing reads yet.
-# Multi-GPU training does NOT work yet; use --nproc 1.
+# STATUS: under N > 1 ranks, `step` runs sharded: the prefix state split over the ranks as sequence-parallel
+# groups (longstraw/parallel/), the one-process gradient on every rank; e.g.
+#   infra/launch.sh --nproc 8 -- step --config configs/tiny.yaml
+# The training pipeline (`train`, `resume`, `serve`) and `sft` still run on one process and refuse N > 1
+# (multi-rank pipeline: a later issue). --deepspeed only exports the config's path as
+# LONGSTRAW_DEEPSPEED_CONFIG, which nothing reads yet: ZeRO-1 comes from torch (optim.zero_stage: 1).
 set -euo pipefail
 
 usage() {
@@ -29,7 +28,7 @@ usage() {
 
 die() {
     echo "error: $*" >&2
-    echo "usage: infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--replicate] [--dry-run] -- <longstraw args...>" >&2
+    echo "usage: infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>" >&2
     echo "       (infra/launch.sh --help for details)" >&2
     exit 2
 }
@@ -52,7 +51,6 @@ visible_gpus() {
 NPROC=""
 DS_CONFIG=""
 MODULE="${LONGSTRAW_MODULE:-flows.cli}"
-REPLICATE=0
 DRY_RUN=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -63,7 +61,6 @@ while [[ $# -gt 0 ]]; do
         --deepspeed=*) DS_CONFIG="${1#*=}"; shift ;;
         --module) [[ $# -ge 2 ]] || die "--module needs a module name"; MODULE="$2"; shift 2 ;;
         --module=*) MODULE="${1#*=}"; shift ;;
-        --replicate) REPLICATE=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --) shift; break ;;
         *) die "unknown option '$1' (put the longstraw command after --)" ;;
@@ -80,14 +77,6 @@ if [[ -z "$NPROC" ]]; then
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
 
-if [[ "$NPROC" -gt 1 && "$REPLICATE" -ne 1 ]]; then
-    die "N=$NPROC processes requested, but LongStraw has no distributed training path yet (a later issue):
-       every rank would run the whole command on the same device and run directory.
-       Use --nproc 1, or --replicate to start $NPROC independent copies anyway (launcher smoke test only)."
-fi
-if [[ "$NPROC" -gt 1 ]]; then
-    echo "warning: --replicate: $NPROC independent copies of the same single-process command" >&2
-fi
 
 # prefer the repository's venv when run from its root
 BIN=""

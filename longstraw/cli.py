@@ -17,9 +17,15 @@ def _write_json(path: str | None, obj) -> None:
 
 def _step(args: argparse.Namespace) -> int:
     from .config import StepConfig, load_config
-    from .step import format_table, run_step
+    from .step import format_table, run_step, run_step_nproc, sharded_worker
 
     cfg = load_config(args.config, StepConfig)
+    if args.sharded_worker or _world_size() > 1:  # one rank of a torchrun job
+        results = sharded_worker(cfg, args.sharded_worker)
+        if results is not None and not args.sharded_worker:
+            print(format_table(results))
+            _write_json(args.json, results)
+        return 0
     g = cfg.responses
     print(
         f"GRPO step: {cfg.model.path or cfg.model.random['model_type'] + ' (random)'}, dtype {cfg.dtype}, "
@@ -27,7 +33,10 @@ def _step(args: argparse.Namespace) -> int:
         f"tokens, modes {', '.join(cfg.modes)}",
         flush=True,
     )
-    results = run_step(cfg, progress=not args.no_progress)
+    if args.nproc > 1:
+        results = run_step_nproc(cfg, args.config, args.nproc, progress=not args.no_progress)
+    else:
+        results = run_step(cfg, progress=not args.no_progress)
     print(format_table(results))
     _write_json(args.json, results)
     return 0
@@ -83,6 +92,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--config", required=True, help="YAML StepConfig, e.g. configs/tiny.yaml")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--nproc", type=int, default=1, help="also run the step on N local ranks under torchrun, the "
+                   "prefix state sharded over them (gloo on CPU, NCCL on GPU), against the one-process gradient")
+    p.add_argument("--sharded-worker", help=argparse.SUPPRESS)
     p.set_defaults(func=_step)
     p = sub.add_parser("state-size", help="prefix-state bytes per token and fixed bytes, from config.json alone")
     p.add_argument("--config", required=True, help="config.json (or its directory) of any supported model_type")
@@ -115,8 +127,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     return parser, sub
 
 
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
+    if _world_size() > 1 and args.command != "step":
+        print(f"longstraw {args.command}: error: runs on one process; of the commands only `step` runs on several "
+              f"ranks so far (WORLD_SIZE={_world_size()}); the multi-rank training pipeline is a later issue",
+              file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

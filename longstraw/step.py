@@ -1,13 +1,27 @@
-"""`longstraw step`: one GRPO step on a synthetic group in each mode; time, memory and gradient agreement."""
+"""`longstraw step`: one GRPO step on a synthetic group in each mode; time, memory and gradient agreement.
+
+With `--nproc N` the step runs again on N local processes under torchrun (gloo on CPU, NCCL on GPU), the prefix
+state sharded over them, and is compared with the one-process gradient.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from .config import StepConfig, torch_dtype
 from .engine.backward import grpo_backward
 from .memory import PeakMeter
 from .models import build_model, load_model
+from .parallel import SequenceParallel
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -20,36 +34,98 @@ def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[tor
     return prompt, responses, advantages - advantages.mean()
 
 
-def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
+def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: SequenceParallel | None = None
+           ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dtype = torch_dtype(cfg.dtype)
     torch.manual_seed(cfg.seed)
     spec = cfg.model
-    model = load_model(spec.path, dtype=dtype) if spec.path else build_model(spec.random, dtype=dtype)
+    device = f"cuda:{torch.cuda.current_device()}" if parallel is not None and torch.cuda.is_available() else "cpu"
+    model = load_model(spec.path, dtype=dtype, device=device) if spec.path else build_model(spec.random, dtype, device)
     prompt, responses, adv = synthetic_group(cfg, model.config.vocab_size)
     results, grads = [], {}
-    for mode in cfg.modes:
+    for mode in modes:
         model.zero_grad(set_to_none=True)
-        with PeakMeter() as meter:
-            stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress)
+        with PeakMeter(torch.device(device)) as meter:
+            stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress,
+                                  parallel=parallel)
         stats["peak_rss_bytes"] = meter.peak_bytes
-        grads[mode] = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+        grads[mode] = torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
         results.append(stats)
-    if "naive" in grads:
-        ref = grads["naive"]
-        for r in results:
-            r["grad_rel_err_vs_naive"] = float((grads[r["mode"]] - ref).norm() / ref.norm())
+    return results, grads
+
+
+def _errors(results: list[dict], grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], key: str) -> None:
+    for r in results:
+        want = ref.get(r["mode"] if key == "vs_one_process" else "naive")
+        if want is not None:
+            r[f"grad_rel_err_{key}"] = float((grads[r["mode"]] - want).norm() / want.norm())
+
+
+def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
+    results, grads = _modes(cfg, cfg.modes, progress)
+    _errors(results, grads, grads, "vs_naive")
     return results
 
 
+def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None:
+    """One rank of a torchrun job (`--nproc`, or infra/launch.sh): the sharded modes (naive has no state to shard).
+    Rank 0 returns what all ranks measured (and writes it, with its gradients, into `out`)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    sp = SequenceParallel()
+    results, grads = _modes(cfg, [m for m in cfg.modes if m != "naive"], False, sp)
+    for r in results:
+        mine = torch.tensor([r["peak_rss_bytes"], r["state_bytes"], r["peak_state_bytes"]], dtype=torch.int64)
+        per_rank = torch.stack(sp.gather(mine.to("cuda" if backend == "nccl" else "cpu"))).cpu()
+        r["per_rank_peak_bytes"], r["per_rank_state_bytes"], r["per_rank_peak_state_bytes"] = per_rank.T.tolist()
+    rank = sp.rank
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    for r in results:
+        r["mode"] += f" x{sp.size}"
+    if out is not None:
+        Path(out, "results.json").write_text(json.dumps(results))
+        save_file({f"{k} x{sp.size}": v for k, v in grads.items()}, str(Path(out, "grads.safetensors")))
+    return results
+
+
+def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool = True) -> list[dict]:
+    """The one-process step, then the sharded one on `nproc` local ranks, compared."""
+    one, ref = _modes(cfg, cfg.modes, progress)
+    _errors(one, ref, ref, "vs_naive")
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "longstraw.cli", "step", "--config", config_path, "--sharded-worker", d]
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // nproc)
+        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
+        if done.returncode or not Path(d, "results.json").is_file():
+            raise RuntimeError(f"the {nproc}-rank step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        sharded = json.loads(Path(d, "results.json").read_text())
+        grads = load_file(str(Path(d, "grads.safetensors")))
+    ref = ref | {f"{k} x{nproc}": v for k, v in ref.items()}
+    _errors(sharded, grads, ref, "vs_one_process")
+    _errors(sharded, grads, ref, "vs_naive")
+    return one + sharded
+
+
 def format_table(results: list[dict]) -> str:
-    head = f"{'mode':<9} {'seconds':>8} {'peak RSS MiB':>13} {'state MiB':>10} {'loss':>12} {'grad rel err vs naive':>22}"
+    head = (f"{'mode':<12} {'seconds':>8} {'peak MiB':>9} {'state MiB/rank':>15} {'loss':>12} {'grad err vs naive':>18}"
+            f" {'vs 1 process':>13}")
     lines = [head, "-" * len(head)]
     for r in results:
-        err = r.get("grad_rel_err_vs_naive")
+        err, one = r.get("grad_rel_err_vs_naive"), r.get("grad_rel_err_vs_one_process")
+        peak = max(r.get("per_rank_peak_bytes", [r["peak_rss_bytes"]]))
+        state = max(r.get("per_rank_peak_state_bytes", [r["peak_state_bytes"]]))
         lines.append(
-            f"{r['mode']:<9} {r['seconds']:>8.2f} {r['peak_rss_bytes'] / 2**20:>13.1f} "
-            f"{r['peak_state_bytes'] / 2**20:>10.1f} {r['loss']:>12.4e} {'-' if err is None else f'{err:.2e}':>22}"
+            f"{r['mode']:<12} {r['seconds']:>8.2f} {peak / 2**20:>9.1f} {state / 2**20:>15.1f} {r['loss']:>12.4e} "
+            f"{'-' if err is None else f'{err:.2e}':>18} {'-' if one is None else f'{one:.2e}':>13}"
         )
+    lines.append("peak MiB: RSS (CUDA allocator on GPU) above the start, the largest rank's; state: state + dState")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import torch
 
 import longstraw as ls
 from longstraw.parallel import SequenceParallel, balanced_ranges
-from tests.conftest import GLM, flat_grad, rel_err, tiny_model
+from tests.conftest import GLM, flat_grad, rel_err, tiny_config, tiny_model
 from tests.parallel.launch import run_ranks
 
 PROMPTS = {"qwen3": 23, "qwen3_5_text": 23, "glm_moe_dsa": 41}  # states of 22 / 40 tokens: uneven over 3 ranks
@@ -226,3 +226,27 @@ def test_two_optimizer_steps_equal_one_process_adamw(zero_stage):
         assert all(int(r["moments"]) < 1.5 * params for r in ranks)
     else:
         assert all(int(r["moments"]) == 2 * params for r in ranks)
+
+
+def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys):
+    """`longstraw step --nproc 2`: torchrun, two gloo ranks, half the state each, the one-process gradient."""
+    import yaml
+
+    from longstraw.cli import main
+
+    cfg = {"model": {"random": tiny_config("qwen3_5_text")}, "prompt_tokens": 60, "responses": 4,
+           "response_tokens": [3, 6], "modes": ["naive", "exact"], "threads": 1, "grpo": {"prompt_chunk": 16}}
+    path = tmp_path / "step.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["step", "--config", str(path), "--nproc", "2", "--json", str(tmp_path / "r.json"),
+                 "--no-progress"]) == 0
+    rows = {r["mode"]: r for r in __import__("json").loads((tmp_path / "r.json").read_text())}
+    sharded = rows["exact x2"]
+    assert sharded["grad_rel_err_vs_one_process"] <= 1e-5 and sharded["grad_rel_err_vs_naive"] <= 1e-5
+    assert len(sharded["per_rank_state_bytes"]) == 2
+    fixed = sum(s.fixed_bytes for s in ls.capture(ls.build_model(tiny_config("qwen3_5_text")), torch.arange(60)).layers)
+    # each rank: half of the per-token rows (uneven by at most one token), all of the fixed-size state
+    per_token = (rows["exact"]["state_bytes"] - fixed) / 59
+    for got in sharded["per_rank_state_bytes"]:
+        assert abs(got - fixed - per_token * 59 / 2) <= per_token
+    assert "exact x2" in capsys.readouterr().out
