@@ -122,7 +122,7 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     lines = [f"{r['model_type']}: {r['parameters'] / 1e9:.2f}B parameters, {r['tokens']:,} tokens, {r['gpus']} GPUs "
              f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
              f"chunk {r['chunk']:,}", f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token "
-             "(measured on one-layer proxies)", "per rank:"]
+             "(measured on one- and two-layer proxies)", "per rank:"]
     for name, b in r["per_rank"].items():
         lines.append(f"  {name:<26}{gb(b)}")
     for mode in ("exact", "detached"):
