@@ -78,8 +78,8 @@ def grpo_backward(
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0
     mine = range(len(resp)) if parallel is None else parallel.branches(len(resp))
-    if parallel is not None and parallel.dp_size > 1:
-        # the data-parallel groups' gradients are summed at the end; earlier contents are every group's alike
+    branch_groups = parallel is not None and parallel.dp_size > 1
+    if branch_groups:  # the groups' gradients are summed at the end; what param.grad held is every group's alike
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(parallel.dp_size)
@@ -98,15 +98,11 @@ def grpo_backward(
         replay_backward(model, state, pick(resp), adv[list(mine)], pick(weights), cfg, pick(old), pick(ref), grad,
                         totals, progress, mode, parallel)
         if exact:
-            if parallel is not None and parallel.dp_size > 1:
+            if branch_groups:
                 _sum_over_branch_groups(grad, parallel)
             prompt_backward(model, state, grad, kept, progress, parallel)
-        if parallel is not None and parallel.dp_size > 1:
-            for p in model.parameters():
-                if p.grad is not None:
-                    parallel.dp_sum_(p.grad)
-            t = parallel.dp_sum_(torch.tensor([totals[k] for k in totals], dtype=torch.float64))
-            totals = dict(zip(totals, t.tolist()))
+        if branch_groups:
+            totals = _sum_branch_results(model, totals, parallel)
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -176,6 +172,15 @@ def _sum_over_branch_groups(grad: Grad, parallel: SequenceParallel) -> None:
     for g in grad.values():
         for t in g.tensors():
             parallel.dp_sum_(t).div_(parallel.dp_size)
+
+
+def _sum_branch_results(model: PrefixLM, totals: dict[str, float], parallel: SequenceParallel) -> dict[str, float]:
+    """Parameter gradients and loss statistics summed over the data-parallel groups."""
+    for p in model.parameters():
+        if p.grad is not None:
+            parallel.dp_sum_(p.grad)
+    t = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64))
+    return dict(zip(totals, t.tolist()))
 
 
 def stored_prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, progress: bool = False) -> None:
