@@ -5,8 +5,9 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
   weights and gradients, fp32 master weights and AdamW moments = 12 bytes per parameter);
 - the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
   holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
-- one prompt chunk's autograd activations (every rank runs every chunk), measured on a one-layer proxy of each
-  layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed (`prompt_graph_budget: 0`).
+- one prompt chunk's autograd activations (every rank runs every chunk), measured on proxies of one and two
+  layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
+  (`prompt_graph_budget: 0`).
 
 What the engine runs today: parameters replicated on every rank (stage 0, or 1 with `optim.zero_stage: 1`);
 stages 2 and 3 are planned here so that the size of a run can be judged, and are not implemented yet.
@@ -21,9 +22,6 @@ import torch
 from .engine.budget import activation_bytes_per_token
 from .models.registry import build, build_model, config_from_hf
 from .state_size import state_size
-
-GIB = 2**30
-
 
 def _proxies(hf_config: dict) -> list[tuple[int, dict, bool]]:
     """(how many layers, a config of one such layer, whether the last layer is one) for each distinct layer kind;

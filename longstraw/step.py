@@ -56,16 +56,17 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
     return results, grads
 
 
-def _errors(results: list[dict], grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], key: str) -> None:
+def _errors(results: list[dict], grads: dict[str, torch.Tensor], reference, key: str) -> None:
+    """grad_rel_err_<key> of each result against reference(mode) (None: no reference, no error reported)."""
     for r in results:
-        want = ref.get(r["mode"] if key == "vs_one_process" else "naive")
-        if want is not None:
-            r[f"grad_rel_err_{key}"] = float((grads[r["mode"]] - want).norm() / want.norm())
+        ref = reference(r["mode"])
+        if ref is not None:
+            r[f"grad_rel_err_{key}"] = float((grads[r["mode"]] - ref).norm() / ref.norm())
 
 
 def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
     results, grads = _modes(cfg, cfg.modes, progress)
-    _errors(results, grads, grads, "vs_naive")
+    _errors(results, grads, lambda _: grads.get("naive"), "vs_naive")
     return results
 
 
@@ -99,7 +100,7 @@ def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None
 def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool = True) -> list[dict]:
     """The one-process step, then the sharded one on `nproc` local ranks, compared."""
     one, ref = _modes(cfg, cfg.modes, progress)
-    _errors(one, ref, ref, "vs_naive")
+    _errors(one, ref, lambda _: ref.get("naive"), "vs_naive")
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "longstraw.cli", "step", "--config", config_path, "--sharded-worker", d]
@@ -109,9 +110,8 @@ def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool
             raise RuntimeError(f"the {nproc}-rank step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         sharded = json.loads(Path(d, "results.json").read_text())
         grads = load_file(str(Path(d, "grads.safetensors")))
-    ref = ref | {f"{k} x{nproc}": v for k, v in ref.items()}
-    _errors(sharded, grads, ref, "vs_one_process")
-    _errors(sharded, grads, ref, "vs_naive")
+    _errors(sharded, grads, lambda mode: ref.get(mode.removesuffix(f" x{nproc}")), "vs_one_process")
+    _errors(sharded, grads, lambda _: ref.get("naive"), "vs_naive")
     return one + sharded
 
 

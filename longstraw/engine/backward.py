@@ -25,7 +25,7 @@ from ..models.protocol import PrefixLM
 from ..parallel import SequenceParallel
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
-from .capture import capture, check_prompt, empty_state, run_chunk, store_chunk
+from .capture import capture_checked, check_prompt, empty_state, run_chunk, store_chunk
 from .checks import as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
 
@@ -91,7 +91,7 @@ def grpo_backward(
             state, grad, kept = _capture_keeping_graphs(model, prompt, cfg, progress, parallel)
             grad_bytes = sum(g.nbytes for g in grad.values()) + state.boundary_nbytes
         else:
-            state = capture(model, prompt, cfg.prompt_chunk, progress=progress, parallel=parallel)
+            state = capture_checked(model, prompt, cfg.prompt_chunk, progress, parallel)
             grad, kept = None, {}
         state_bytes = state.nbytes
         pick = lambda xs: None if xs is None else [xs[i] for i in mine]  # noqa: E731
@@ -206,11 +206,12 @@ def _capture_keeping_graphs(
         free = parallel.agree_min(free)
     budget = free // 4 if cfg.prompt_graph_budget is None else cfg.prompt_graph_budget
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
-    every = cfg.boundary_every or boundary_interval(len(state.chunks), state.fixed_nbytes, free // 8)
-    if parallel is not None:
-        if cfg.boundary_every not in (None, 1):
-            raise ValueError("boundary_every > 1 is not supported with `parallel` yet: each rank keeps the boundary "
-                             "states of its own chunks (1/C of them); use a larger prompt_chunk to keep fewer")
+    if parallel is None:
+        every = cfg.boundary_every or boundary_interval(len(state.chunks), state.fixed_nbytes, free // 8)
+    elif cfg.boundary_every not in (None, 1):
+        raise ValueError("boundary_every > 1 is not supported with `parallel` yet: each rank keeps the boundary "
+                         "states of its own chunks (1/C of them); use a larger prompt_chunk to keep fewer")
+    else:
         every = 1
     kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
@@ -299,13 +300,14 @@ def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[
             with torch.enable_grad():
                 emitted, leaves = _chunk_with_graph(model, state, i, grad, boundary, parallel)
         state.boundaries.pop(i, None)  # chunk i is the last to need it
+        owner = None if parallel is None else _owner(state, s, parallel)
         outputs, grads = [], []
         for j, new in emitted.items():
             outputs += new.differentiable()
             if new.token_axis is None:  # a fixed-size state: its dState entry is replicated
                 grads += grad[j].segment_grads(s, e)
             else:
-                grads += _row_grads(state, grad[j], new, s, e, parallel)
+                grads += _row_grads(state, grad[j], new, s, e, parallel, owner)
         torch.autograd.backward(outputs, grads)
         for j, leaf in enumerate(leaves):
             if (g := leaf.leaf_grad()) is not None:
@@ -313,8 +315,8 @@ def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[
 
 
 def _row_grads(state: PrefixState, g: LayerState, new: LayerState, s: int, e: int,
-               parallel: SequenceParallel | None) -> list[torch.Tensor]:
-    """dState rows [s, e) of one layer on every rank: the owner's, sent to the others."""
+               parallel: SequenceParallel | None, owner: int | None) -> list[torch.Tensor]:
+    """dState rows [s, e) of one layer on every rank: the owner's (rank `owner` of the group), sent to the others."""
     if parallel is None:
         return g.segment_grads(s, e)
     # contiguous on every rank alike, so that the backward takes the same kernels (bitwise equal gradients)
@@ -323,5 +325,5 @@ def _row_grads(state: PrefixState, g: LayerState, new: LayerState, s: int, e: in
     else:
         rows = [t.new_empty(t.shape) for t in new.differentiable()]
     for t in rows:
-        parallel.broadcast_(t, _owner(state, s, parallel))
+        parallel.broadcast_(t, owner)
     return rows

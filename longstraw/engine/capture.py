@@ -90,7 +90,13 @@ def capture(
 ) -> PrefixState:
     """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd (this rank's shard of it, with
     `parallel`; every rank of the group passes the same prompt)."""
-    prompt = check_prompt(model, prompt_ids, parallel)
+    return capture_checked(model, check_prompt(model, prompt_ids, parallel), chunk_size, progress, parallel)
+
+
+@torch.no_grad()
+def capture_checked(model: PrefixLM, prompt: torch.Tensor, chunk_size: int, progress: bool = False,
+                    parallel: SequenceParallel | None = None) -> PrefixState:
+    """`capture` of a prompt that `check_prompt` has already checked (its checks are collectives with `parallel`)."""
     state = empty_state(model, prompt, chunk_size, parallel)
     for s, e in tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False):
         store_chunk(state, s, run_chunk(model, state, s, e, parallel=parallel))
