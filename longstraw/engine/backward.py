@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..grpo import GRPOConfig, branch_loss, token_weights
 from ..memory import free_bytes
 from ..models.protocol import PrefixLM
-from ..parallel import SequenceParallel
+from ..parallel import SequenceParallel, is_sharded
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
 from .capture import capture_checked, check_prompt, empty_state, run_chunk, store_chunk
@@ -79,7 +79,9 @@ def grpo_backward(
     state_bytes = grad_bytes = 0
     mine = range(len(resp)) if parallel is None else parallel.branches(len(resp))
     branch_groups = parallel is not None and parallel.dp_size > 1
-    if branch_groups:  # the groups' gradients are summed at the end; what param.grad held is every group's alike
+    # the groups' parameter gradients are summed at the end (by FSDP itself when it shards them)
+    sum_params = branch_groups and not is_sharded(model)
+    if sum_params:  # what param.grad held before is every group's alike
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(parallel.dp_size)
@@ -102,7 +104,7 @@ def grpo_backward(
                 _sum_over_branch_groups(grad, parallel)
             prompt_backward(model, state, grad, kept, progress, parallel)
         if branch_groups:
-            totals = _sum_branch_results(model, totals, parallel)
+            totals = _sum_branch_results(model, totals, parallel, sum_params)
 
     tokens = sum(r.numel() for r in resp)
     return {
@@ -174,9 +176,10 @@ def _sum_over_branch_groups(grad: Grad, parallel: SequenceParallel) -> None:
             parallel.dp_sum_(t).div_(parallel.dp_size)
 
 
-def _sum_branch_results(model: PrefixLM, totals: dict[str, float], parallel: SequenceParallel) -> dict[str, float]:
-    """Parameter gradients and loss statistics summed over the data-parallel groups."""
-    for p in model.parameters():
+def _sum_branch_results(model: PrefixLM, totals: dict[str, float], parallel: SequenceParallel,
+                        params: bool) -> dict[str, float]:
+    """Loss statistics and (with `params`) parameter gradients summed over the data-parallel groups."""
+    for p in model.parameters() if params else ():
         if p.grad is not None:
             parallel.dp_sum_(p.grad)
     t = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64))

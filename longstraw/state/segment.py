@@ -6,7 +6,7 @@ step also writes its new tokens into a `DecodeCache`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,19 +52,21 @@ class DecodeCache:
         return buf.narrow(0, self.filled + new.tokens)
 
 
-@dataclass
 class Segment:
     """Positions `start`.. of a forward. `prefix` (None: the segment starts at the sequence start) is read, never
     written. With `collect`, each layer hands what it adds to the state to `emitted` (per-token rows, or the final
-    fixed-size state), batch dim first."""
+    fixed-size state), batch dim first.
 
-    start: int = 0
-    prefix: PrefixView | None = None
-    cache: DecodeCache | None = None
-    collect: bool = False
-    emitted: dict[int, LayerState] = field(default_factory=dict)
-    # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers after it
-    dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    Not a dataclass on purpose: a segment is context the layers share by reference (`emitted`, `dsa_topk`), and
+    module wrappers rebuild dataclass arguments (FSDP passes the tensors in its inputs through autograd functions
+    and reassembles the containers), which would leave each layer writing into a copy."""
+
+    def __init__(self, start: int = 0, prefix: PrefixView | None = None, cache: DecodeCache | None = None,
+                 collect: bool = False) -> None:
+        self.start, self.prefix, self.cache, self.collect = start, prefix, cache, collect
+        self.emitted: dict[int, LayerState] = {}
+        # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers
+        self.dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def emit(self, layer: int, state: LayerState) -> None:
         if self.collect:

@@ -26,8 +26,10 @@ class OptimConfig(_Strict):
     warmup_updates: int = Field(0, ge=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / lr for linear and cosine decay")
-    zero_stage: Literal[0, 1] = Field(0, description="1: the AdamW moments sharded over the torch.distributed "
-                                      "world (ZeRO-1, torch's ZeroRedundancyOptimizer); 0: every rank holds them")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="what is sharded over the torch.distributed world: 0 nothing; 1 the AdamW moments (torch's "
+        "ZeroRedundancyOptimizer); 2 also the gradients, 3 also the parameters (FSDP2, longstraw.parallel."
+        "shard_model; 2 keeps a layer's weights gathered from its forward to its backward)")
 
 
 class StoreConfig(_Strict):

@@ -1,4 +1,5 @@
-"""The optimizer step, behind one function so that a distributed engine (DeepSpeed, FSDP) can take its place."""
+"""The optimizer step: one function for one process and for N ranks (ZeRO-1: torch's ZeroRedundancyOptimizer;
+ZeRO-2/3: FSDP2, longstraw/parallel/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
+from ..parallel import is_sharded
 from .config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; with `zero_stage: 1` under torch.distributed, ZeRO-1: each rank keeps and updates the moments of
-    1/N of the parameters and broadcasts its updated share (the gradients must be the same on every rank, as
-    `grpo_backward(parallel=...)` leaves them)."""
+    """AdamW over the model's trainable parameters, sharded over the torch.distributed ranks by `zero_stage`:
+
+    1  ZeRO-1: each rank keeps and updates the moments of 1/N of the parameters and broadcasts its updated share
+       (the gradients must be the same on every rank, as `grpo_backward(parallel=...)` leaves them);
+    2, 3  the model is sharded by `longstraw.parallel.shard_model` first (FSDP2): its parameters are the ranks'
+       shards, so a plain AdamW over them keeps 1/N of the moments and updates 1/N of the weights.
+    """
+    if cfg.zero_stage and not dist.is_initialized():
+        raise ValueError(f"optim.zero_stage {cfg.zero_stage} shards over torch.distributed ranks; initialise the "
+                         "process group first (torchrun), or use zero_stage 0 on one process")
+    if cfg.zero_stage in (2, 3) and not is_sharded(model):
+        raise ValueError(f"optim.zero_stage {cfg.zero_stage} needs the model sharded first: "
+                         f"longstraw.parallel.shard_model(model, {cfg.zero_stage}, parallel)")
+    if cfg.zero_stage in (0, 1) and is_sharded(model):
+        raise ValueError(f"the model is sharded (FSDP, ZeRO-2/3) but optim.zero_stage is {cfg.zero_stage}; "
+                         "set it to the stage the model was sharded for")
     params = [p for p in model.parameters() if p.requires_grad]
     kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.zero_stage == 1:
-        if not dist.is_initialized():
-            raise ValueError("optim.zero_stage 1 shards the optimizer over torch.distributed ranks; initialise the "
-                             "process group first (torchrun), or use zero_stage 0 on one process")
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
 
@@ -47,7 +60,8 @@ def optimizer_step(
     if len(missing) == len(params):
         raise RuntimeError("optimizer_step: no parameter has a gradient; run the replay/backward stages first")
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded (FSDP): the global norm
     if not math.isfinite(norm):
         raise FloatingPointError(f"gradient norm is {norm}; refusing the update (lower optim.lr or check the data)")
     lr = lr_at(update, total, cfg)

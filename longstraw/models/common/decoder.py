@@ -20,8 +20,27 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
+        return self._block(x, rope, seg)
+
+    def _block(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), rope, seg)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # Capture returns what the layer emitted beside its output. FSDP (`parallel/fsdp.py`) registers both as
+    # forward methods and hooks the tensors they return, so a gradient that enters the layer through its emitted
+    # state (exact mode's prompt backward starts there) finds the layer's parameters gathered.
+    def capture(self, x: torch.Tensor, rope, seg: Segment) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`forward`, and the differentiable tensors this layer emitted into `seg`."""
+        return self._block(x, rope, seg), self._emitted(seg)
+
+    def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> tuple[torch.Tensor, ...]:
+        """The last layer in capture: its mixer's state only (nothing after the mixer is needed)."""
+        self.mixer.emit_state(self.input_layernorm(x), rope, seg)
+        return self._emitted(seg)
+
+    def _emitted(self, seg: Segment) -> tuple[torch.Tensor, ...]:
+        new = seg.emitted.get(self.mixer.layer_idx)
+        return () if new is None else new.differentiable()
 
 
 class TextModel(nn.Module):
@@ -76,5 +95,5 @@ class CausalLM(nn.Module):
         x, rope = self._start(input_ids, seg)
         *layers, last = self.model.layers
         for layer in layers:
-            x = layer(x, rope, seg)
-        last.mixer.emit_state(last.input_layernorm(x), rope, seg)
+            x, _ = layer.capture(x, rope, seg)
+        last.emit_state(x, rope, seg)

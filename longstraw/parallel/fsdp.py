@@ -1,0 +1,95 @@
+"""ZeRO-2 / ZeRO-3 for the engine: the model's parameters and gradients sharded by torch's FSDP2 (`fully_shard`).
+
+`shard_model(model, stage, parallel)` makes every decoder layer one FSDP unit and the rest (embeddings, final
+norm, LM head) the root unit, over all ranks. Each rank then holds 1/N of every parameter and of its gradient,
+and AdamW (a plain `torch.optim.AdamW` over the sharded parameters) keeps 1/N of the moments: ZeRO-3. Stage 2
+keeps a unit's parameters gathered from its forward to its backward (`reshard_after_forward=False`, ZeRO-2's
+trade: fewer all-gathers, the whole model resident while a forward's graph is alive).
+
+Why FSDP2 and not DeepSpeed's ZeRO engine:
+- The unit is the decoder layer. Its parameters are gathered for the layer's whole forward, so the mixers may
+  read child weights directly (MLA's absorbed `kv_b_proj.weight`, Gated DeltaNet's `conv1d.weight`, the fused MoE
+  experts). DeepSpeed ZeRO-3 gathers a parameter only around the forward of the module that owns it, and each of
+  those reads would need `register_external_parameter`.
+- Capture calls methods other than `forward` (`emit_states`, a layer's `capture` / `emit_state`), and
+  `register_fsdp_forward_method` gathers for them too. DeepSpeed's engine wraps `forward` only.
+- Exact mode runs one autograd backward per branch batch and one per prompt chunk in a step, from the emitted
+  state as well as from the loss. FSDP2 reduce-scatters after each, into the sharded gradient. DeepSpeed's engine
+  expects one `engine.backward(loss)` per micro-step.
+- It is torch itself: no extension to compile, the same code on gloo (CPU tests) and NCCL.
+
+Gradients: every rank of a sequence-parallel group computes the same parameter gradient (see sequence.py); the
+data-parallel groups compute the sums over their own branches. FSDP sums over all N ranks and divides by the
+group size C, which leaves the one-process gradient, sharded. `grpo_backward` sees an FSDP model and leaves the
+data-parallel sum to FSDP.
+
+Lockstep: FSDP all-gathers a layer's parameters over all N ranks at each of its forwards, so every rank must run
+the same forwards in the same order. The engine does: every rank of a group runs every chunk, and the groups
+replay equally many branch batches (`SequenceParallel.branches` splits G evenly).
+
+At 27B / 8 ranks, ZeRO-3 holds 1/8 of the bf16 weights, fp32 gradients and moments per rank (`longstraw plan
+--zero 3`), but each forward gathers every layer once: a prompt of P tokens in chunks of c moves about
+(P / c) x the weight bytes per rank through all-gathers, so use large prompt chunks (8K-32K) under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+from .sequence import SequenceParallel
+
+STAGES = (2, 3)
+LAYER_METHODS = ("capture", "emit_state")  # what capture calls on a layer instead of forward
+MODEL_METHODS = ("emit_states",)
+
+# The capture methods return the emitted state's tensors, some of them views (a transposed K/V). The engine
+# never writes into them in place, which is what FSDP warns about.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `shard_model` (FSDP) manages the model's parameters and gradients."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: nn.Module, stage: int, parallel: SequenceParallel | None = None,
+                mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard `model` in place for ZeRO `stage` 2 or 3 over all ranks (or `mesh`, 1-D) and return it.
+
+    Call it after the weights are loaded and before `build_optimizer`; every rank passes the same model.
+    `parallel` is the sequence-parallel group the engine will run with (its size C sets the gradient division).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"shard_model shards for ZeRO stage 2 or 3, not {stage}; stage 1 is the optimizer alone "
+                         f"(optim.zero_stage: 1) and needs no sharded model")
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs torch.distributed.init_process_group() first (torchrun)")
+    if is_sharded(model):
+        raise ValueError("the model is sharded already; shard it once, before building the optimizer")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no .model.layers; shard_model knows the decoder models of "
+                        f"longstraw.models")
+    if mesh is None:
+        p = next(model.parameters())
+        mesh = init_device_mesh(p.device.type, (dist.get_world_size(),))
+    reshard = stage == 3
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        for method in LAYER_METHODS:
+            register_fsdp_forward_method(layer, method)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for method in MODEL_METHODS:
+        register_fsdp_forward_method(model, method)
+    replicas = 1 if parallel is None else parallel.size
+    gloo = dist.get_backend() == "gloo"  # gloo has no pre-multiplied sum: FSDP then sums and scales apart
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(replicas))
+            module.set_force_sum_reduction_for_comms(gloo)
+    return model
