@@ -20,6 +20,8 @@ def _step(args: argparse.Namespace) -> int:
     from .step import format_table, run_step, run_step_nproc, sharded_worker
 
     cfg = load_config(args.config, StepConfig)
+    if args.zero is not None:
+        cfg = cfg.model_copy(update={"zero_stage": args.zero})
     if args.sharded_worker or _world_size() > 1:  # one rank of a torchrun job
         results = sharded_worker(cfg, args.sharded_worker)
         if results is not None and not args.sharded_worker:
@@ -94,6 +96,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--nproc", type=int, default=1, help="also run the step on N local ranks under torchrun, the "
                    "prefix state sharded over them (gloo on CPU, NCCL on GPU), against the one-process gradient")
+    p.add_argument("--zero", type=int, choices=(0, 2, 3), help="in the N-rank run, shard the parameters and "
+                   "gradients too (ZeRO-2/3 by FSDP2); overrides zero_stage of the config")
     p.add_argument("--sharded-worker", help=argparse.SUPPRESS)
     p.set_defaults(func=_step)
     p = sub.add_parser("state-size", help="prefix-state bytes per token and fixed bytes, from config.json alone")

@@ -56,6 +56,8 @@ class StepConfig(BaseModel):
     response_tokens: tuple[int, int] = Field((16, 64), description="min and max response length")
     modes: list[Literal["naive", "detached", "exact"]] = ["naive", "detached", "exact"]
     threads: int | None = Field(None, ge=1)
+    zero_stage: Literal[0, 2, 3] = Field(0, description="in the N-rank run: 2 or 3 shards the parameters and "
+                                         "gradients over the ranks (FSDP2, longstraw.parallel.shard_model)")
     grpo: GRPOConfig = GRPOConfig()
 
     @model_validator(mode="after")

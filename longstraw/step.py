@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from .config import StepConfig, torch_dtype
 from .engine.backward import grpo_backward
 from .memory import PeakMeter
 from .models import build_model, load_model
-from .parallel import SequenceParallel
+from .parallel import SequenceParallel, shard_model
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -43,6 +44,9 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
     spec = cfg.model
     device = f"cuda:{torch.cuda.current_device()}" if parallel is not None and torch.cuda.is_available() else "cpu"
     model = load_model(spec.path, dtype=dtype, device=device) if spec.path else build_model(spec.random, dtype, device)
+    if parallel is not None and cfg.zero_stage:
+        shard_model(model, cfg.zero_stage, parallel)
+    param_bytes = sum(_local(p).nelement() * p.element_size() for p in model.parameters())
     prompt, responses, adv = synthetic_group(cfg, model.config.vocab_size)
     results, grads = [], {}
     for mode in modes:
@@ -50,10 +54,19 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
         with PeakMeter(torch.device(device)) as meter:
             stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress,
                                   parallel=parallel)
-        stats["peak_rss_bytes"] = meter.peak_bytes
-        grads[mode] = torch.cat([p.grad.flatten().double().cpu() for p in model.parameters() if p.grad is not None])
+        stats["peak_rss_bytes"], stats["param_bytes"] = meter.peak_bytes, param_bytes
+        grads[mode] = torch.cat([_full(p.grad).flatten().double().cpu() for p in model.parameters() if p.grad is not None])
         results.append(stats)
     return results, grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for FSDP's sharded ones)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _errors(results: list[dict], grads: dict[str, torch.Tensor], reference, key: str) -> None:
@@ -70,6 +83,10 @@ def run_step(cfg: StepConfig, progress: bool = True) -> list[dict]:
     return results
 
 
+PER_RANK = {"per_rank_peak_bytes": "peak_rss_bytes", "per_rank_state_bytes": "state_bytes",
+            "per_rank_peak_state_bytes": "peak_state_bytes", "per_rank_param_bytes": "param_bytes"}
+
+
 def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None:
     """One rank of a torchrun job (`--nproc`, or infra/launch.sh): the sharded modes (naive has no state to shard).
     Rank 0 returns what all ranks measured (and writes it, with its gradients, into `out`)."""
@@ -82,18 +99,19 @@ def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None
     sp = SequenceParallel()
     results, grads = _modes(cfg, [m for m in cfg.modes if m != "naive"], False, sp)
     for r in results:
-        mine = torch.tensor([r["peak_rss_bytes"], r["state_bytes"], r["peak_state_bytes"]], dtype=torch.int64)
+        mine = torch.tensor([r[k] for k in PER_RANK.values()], dtype=torch.int64)
         per_rank = torch.stack(sp.gather(mine.to("cuda" if backend == "nccl" else "cpu"))).cpu()
-        r["per_rank_peak_bytes"], r["per_rank_state_bytes"], r["per_rank_peak_state_bytes"] = per_rank.T.tolist()
+        r.update(zip(PER_RANK, per_rank.T.tolist()))
     rank = sp.rank
     dist.destroy_process_group()
     if rank != 0:
         return None
+    suffix = f" x{sp.size}" + (f" zero{cfg.zero_stage}" if cfg.zero_stage else "")
     for r in results:
-        r["mode"] += f" x{sp.size}"
+        r["mode"] += suffix
     if out is not None:
         Path(out, "results.json").write_text(json.dumps(results))
-        save_file({f"{k} x{sp.size}": v for k, v in grads.items()}, str(Path(out, "grads.safetensors")))
+        save_file({k + suffix: v for k, v in grads.items()}, str(Path(out, "grads.safetensors")))
     return results
 
 
@@ -103,29 +121,32 @@ def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool
     _errors(one, ref, lambda _: ref.get("naive"), "vs_naive")
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "longstraw.cli", "step", "--config", config_path, "--sharded-worker", d]
+               "-m", "longstraw.cli", "step", "--config", config_path, "--zero", str(cfg.zero_stage),
+               "--sharded-worker", d]
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // nproc)
         done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
         if done.returncode or not Path(d, "results.json").is_file():
             raise RuntimeError(f"the {nproc}-rank step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         sharded = json.loads(Path(d, "results.json").read_text())
         grads = load_file(str(Path(d, "grads.safetensors")))
-    _errors(sharded, grads, lambda mode: ref.get(mode.removesuffix(f" x{nproc}")), "vs_one_process")
+    _errors(sharded, grads, lambda mode: ref.get(mode.split(" ")[0]), "vs_one_process")
     _errors(sharded, grads, lambda _: ref.get("naive"), "vs_naive")
     return one + sharded
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'mode':<12} {'seconds':>8} {'peak MiB':>9} {'state MiB/rank':>15} {'loss':>12} {'grad err vs naive':>18}"
-            f" {'vs 1 process':>13}")
+    head = (f"{'mode':<16} {'seconds':>8} {'peak MiB':>9} {'params MiB/rank':>16} {'state MiB/rank':>15} {'loss':>12} "
+            f"{'grad err vs naive':>18} {'vs 1 process':>13}")
     lines = [head, "-" * len(head)]
     for r in results:
         err, one = r.get("grad_rel_err_vs_naive"), r.get("grad_rel_err_vs_one_process")
         peak = max(r.get("per_rank_peak_bytes", [r["peak_rss_bytes"]]))
+        params = max(r.get("per_rank_param_bytes", [r["param_bytes"]]))
         state = max(r.get("per_rank_peak_state_bytes", [r["peak_state_bytes"]]))
         lines.append(
-            f"{r['mode']:<12} {r['seconds']:>8.2f} {peak / 2**20:>9.1f} {state / 2**20:>15.1f} {r['loss']:>12.4e} "
-            f"{'-' if err is None else f'{err:.2e}':>18} {'-' if one is None else f'{one:.2e}':>13}"
+            f"{r['mode']:<16} {r['seconds']:>8.2f} {peak / 2**20:>9.1f} {params / 2**20:>16.2f} {state / 2**20:>15.1f} "
+            f"{r['loss']:>12.4e} {'-' if err is None else f'{err:.2e}':>18} {'-' if one is None else f'{one:.2e}':>13}"
         )
-    lines.append("peak MiB: RSS (CUDA allocator on GPU) above the start, the largest rank's; state: state + dState")
+    lines.append("peak MiB: RSS (CUDA allocator on GPU) above the start, the largest rank's; state: state + dState; "
+                 "params: the largest rank's share (all of them without --zero)")
     return "\n".join(lines)

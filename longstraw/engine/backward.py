@@ -209,13 +209,9 @@ def _capture_keeping_graphs(
         free = parallel.agree_min(free)
     budget = free // 4 if cfg.prompt_graph_budget is None else cfg.prompt_graph_budget
     first_kept = len(state.chunks) - kept_chunk_count(model, state.chunks, budget)
-    if parallel is None:
-        every = cfg.boundary_every or boundary_interval(len(state.chunks), state.fixed_nbytes, free // 8)
-    elif cfg.boundary_every not in (None, 1):
-        raise ValueError("boundary_every > 1 is not supported with `parallel` yet: each rank keeps the boundary "
-                         "states of its own chunks (1/C of them); use a larger prompt_chunk to keep fewer")
-    else:
-        every = 1
+    # sharded, each rank keeps the boundaries of its own chunks only
+    mine = len(state.chunks) if parallel is None else max(_chunks_per_rank(state, parallel))
+    every = state.boundary_every = cfg.boundary_every or boundary_interval(mine, state.fixed_nbytes, free // 8)
     kept: dict[int, Kept] = {}
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
         if i >= first_kept:
@@ -242,16 +238,18 @@ def boundary_interval(chunks: int, fixed_bytes: int, budget: int) -> int:
     return 1 if chunks * fixed_bytes <= budget else sqrt_interval(chunks)
 
 
-def _ensure_boundary(model: PrefixLM, state: PrefixState, i: int) -> None:
-    """Regenerate the boundary states at the starts of chunks j+1..i from the nearest stored boundary j < i."""
-    if i in state.boundaries:
+def _ensure_boundary(model: PrefixLM, state: PrefixState, boundaries: dict[int, dict[int, LayerState]], i: int,
+                     parallel: SequenceParallel | None = None) -> None:
+    """Regenerate the boundary states at the starts of chunks j+1..i into `boundaries` from the nearest one j < i
+    there (sharded: on every rank, all running the chunks)."""
+    if i in boundaries:
         return
-    j = max(b for b in state.boundaries if b < i)
+    j = max(b for b in boundaries if b < i)
     with torch.no_grad():
         for c in range(j, i):
-            prefix = [state.boundaries[c].get(k, layer) for k, layer in enumerate(state.layers)]
-            emitted = run_chunk(model, state, *state.chunks[c], prefix)
-            state.boundaries[c + 1] = {k: b for k, new in emitted.items() if (b := new.row(0).boundary()) is not None}
+            prefix = [boundaries[c].get(k, layer) for k, layer in enumerate(state.layers)]
+            emitted = run_chunk(model, state, *state.chunks[c], prefix, parallel=parallel)
+            boundaries[c + 1] = {k: b for k, new in emitted.items() if (b := new.row(0).boundary()) is not None}
 
 
 def _chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: Grad, boundary: dict[int, LayerState],
@@ -267,17 +265,34 @@ def _owner(state: PrefixState, start: int, parallel: SequenceParallel) -> int:
     return next(r for r, (a, b) in enumerate(parallel.ranges(state.length)) if a <= start < b)
 
 
-def _boundary(model: PrefixLM, state: PrefixState, i: int, parallel: SequenceParallel | None) -> dict[int, LayerState]:
-    """The boundary states at chunk i's start: kept or regenerated here, or (sharded) sent by the chunk's owner."""
+def _chunks_per_rank(state: PrefixState, parallel: SequenceParallel) -> list[int]:
+    owners = [_owner(state, s, parallel) for s, _ in state.chunks]
+    return [owners.count(r) for r in range(parallel.size)]
+
+
+def _boundary(model: PrefixLM, state: PrefixState, i: int, parallel: SequenceParallel | None,
+              shared: dict[int, dict[int, LayerState]]) -> dict[int, LayerState]:
+    """The boundary states at chunk i's start: kept or regenerated here; sharded, the ones every rank holds
+    (`shared`), or else sent by the owner of the last kept one before it (chunk j = i - i % boundary_every), and
+    regenerated from it by all ranks together, which leaves those of chunks j+1..i on every rank."""
     if parallel is None:
-        _ensure_boundary(model, state, i)
+        _ensure_boundary(model, state, state.boundaries, i)
         return state.boundaries[i]
+    if i not in shared:
+        j = i - i % state.boundary_every
+        shared[j] = _from_owner(state, j, parallel)
+        _ensure_boundary(model, state, shared, i, parallel)
+    return shared.pop(i)
+
+
+def _from_owner(state: PrefixState, j: int, parallel: SequenceParallel) -> dict[int, LayerState]:
+    """Chunk j's kept boundary states, broadcast by the rank that owns the chunk."""
     # contiguous on every rank alike (see _row_grads)
-    if state.owns(state.chunks[i][0]):
-        mine = {j: b.map(torch.Tensor.contiguous) for j, b in state.boundaries[i].items()}
+    if state.owns(state.chunks[j][0]):
+        mine = {k: b.map(torch.Tensor.contiguous) for k, b in state.boundaries.pop(j).items()}
     else:
-        mine = {j: b.map(lambda t: t.new_empty(t.shape)) for j, b in boundary_states(state.layers).items()}
-    owner = _owner(state, state.chunks[i][0], parallel)
+        mine = {k: b.map(lambda t: t.new_empty(t.shape)) for k, b in boundary_states(state.layers).items()}
+    owner = _owner(state, state.chunks[j][0], parallel)
     for b in mine.values():
         for t in b.tensors():
             parallel.broadcast_(t, owner)
@@ -294,12 +309,13 @@ def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[
     layers' entries for chunk i-1) and into the parameters. Sharded, every rank runs every chunk: the chunk's
     owner sends its rows' gradients, and each rank's rows before the chunk collect their share.
     """
+    shared: dict[int, dict[int, LayerState]] = {}  # sharded: boundaries every rank holds
     for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress, leave=False):
         s, e = state.chunks[i]
         if i in kept:
             emitted, leaves = kept.pop(i)
         else:
-            boundary = _boundary(model, state, i, parallel)
+            boundary = _boundary(model, state, i, parallel, shared)
             with torch.enable_grad():
                 emitted, leaves = _chunk_with_graph(model, state, i, grad, boundary, parallel)
         state.boundaries.pop(i, None)  # chunk i is the last to need it

@@ -35,7 +35,7 @@ class GRPOConfig(BaseModel):
     boundary_every: int | None = Field(
         None, ge=1, description="exact mode with recurrent layers: keep their state at every n-th prompt-chunk start "
         "and recompute the others during the prompt backward; default: 1 (all) if they fit an eighth of free "
-        "memory, else ceil(sqrt(chunks))",
+        "memory, else ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)",
     )
 
 

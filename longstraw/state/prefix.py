@@ -32,6 +32,7 @@ class PrefixState:
     model_fingerprint: str
     boundaries: dict[int, dict[int, LayerState]] = field(default_factory=dict)
     shard: tuple[int, int] | None = None  # None: all of the prompt's rows are here
+    boundary_every: int = 1  # exact mode keeps the boundaries of chunks 0, k, 2k, ... (the others are recomputed)
 
     @property
     def offset(self) -> int:

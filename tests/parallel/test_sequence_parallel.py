@@ -97,6 +97,36 @@ def test_sharded_state_matches_one_process(arch, world):
     assert rel_err(ref["grad.detached"], ref["grad.naive"]) > 1e-2  # the comparison can tell the modes apart
 
 
+def sparse_boundary_rank(rank: int, world: int, every: int) -> dict[str, torch.Tensor]:
+    m = model("qwen3_5_text")
+    prompt, responses = group("qwen3_5_text")
+    cfg = ls.GRPOConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=every)
+    stats = ls.grpo_backward(m, prompt, responses, ADV, config=cfg, parallel=SequenceParallel())
+    return {"grad": flat_grad(m), "peak_state_bytes": torch.tensor(stats["peak_state_bytes"])}
+
+
+@pytest.mark.parametrize("world,every", [(2, 2), (3, 4)])
+def test_sparse_boundaries_are_regenerated_by_all_ranks(world, every):
+    """boundary_every > 1 sharded: each rank keeps every k-th boundary of its own chunks; the others are
+    recomputed from the last kept one (sent by its owner) by all ranks together. Same exact gradient, fewer
+    boundary bytes per rank."""
+    m = model("qwen3_5_text")
+    prompt, responses = group("qwen3_5_text")
+    ls.grpo_backward(m, prompt, responses, ADV, mode="naive", config=ls.GRPOConfig(prompt_chunk=CHUNK))
+    want = flat_grad(m)
+    sparse, dense = run_ranks(world, sparse_boundary_rank, every), run_ranks(world, sparse_boundary_rank, 1)
+    for s, d in zip(sparse, dense):
+        assert rel_err(s["grad"], want) <= 1e-10
+        assert torch.equal(s["grad"], sparse[0]["grad"])
+    fixed = sum(s.fixed_bytes for s in ls.capture(m, prompt, CHUNK).layers)
+    # 22 tokens in chunks of 4: boundaries kept at chunks 0, k, 2k, ... on their owners only
+    owners = [next(r for r, (a, b) in enumerate(balanced_ranges(22, world)) if a <= c < b) for c in range(0, 22, CHUNK)]
+    for r in range(world):
+        kept = sum(1 for i, o in enumerate(owners) if o == r and i % every == 0)
+        dropped = owners.count(r) - kept
+        assert int(dense[r]["peak_state_bytes"]) - int(sparse[r]["peak_state_bytes"]) == dropped * fixed
+
+
 def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
     """Each rank reports the error it got (as bytes of its message), or none."""
     sp = SequenceParallel()
@@ -183,8 +213,10 @@ def test_group_size_must_split_over_branch_groups():
         assert "does not split evenly over 2" in bytes(r["error"].tolist()).decode()
 
 
-def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys):
-    """`longstraw step --nproc 2`: torchrun, two gloo ranks, half the state each, the one-process gradient."""
+@pytest.mark.parametrize("zero", [None, 3])
+def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys, zero):
+    """`longstraw step --nproc 2 [--zero 3]`: torchrun, two gloo ranks, half the state each (and, with ZeRO-3,
+    half the parameters each), the one-process gradient."""
     import yaml
 
     from longstraw.cli import main
@@ -193,10 +225,12 @@ def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys):
            "response_tokens": [3, 6], "modes": ["naive", "exact"], "threads": 1, "grpo": {"prompt_chunk": 16}}
     path = tmp_path / "step.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    extra = [] if zero is None else ["--zero", str(zero)]
     assert main(["step", "--config", str(path), "--nproc", "2", "--json", str(tmp_path / "r.json"),
-                 "--no-progress"]) == 0
+                 "--no-progress", *extra]) == 0
     rows = {r["mode"]: r for r in __import__("json").loads((tmp_path / "r.json").read_text())}
-    sharded = rows["exact x2"]
+    name = "exact x2" + ("" if zero is None else f" zero{zero}")
+    sharded = rows[name]
     assert sharded["grad_rel_err_vs_one_process"] <= 1e-5 and sharded["grad_rel_err_vs_naive"] <= 1e-5
     assert len(sharded["per_rank_state_bytes"]) == 2
     fixed = sum(s.fixed_bytes for s in ls.capture(ls.build_model(tiny_config("qwen3_5_text")), torch.arange(60)).layers)
@@ -204,4 +238,9 @@ def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys):
     per_token = (rows["exact"]["state_bytes"] - fixed) / 59
     for got in sharded["per_rank_state_bytes"]:
         assert abs(got - fixed - per_token * 59 / 2) <= per_token
-    assert "exact x2" in capsys.readouterr().out
+    params = rows["exact"]["param_bytes"]
+    if zero is None:
+        assert sharded["per_rank_param_bytes"] == [params, params]
+    else:
+        assert sum(sharded["per_rank_param_bytes"]) == params and max(sharded["per_rank_param_bytes"]) < 0.75 * params
+    assert name in capsys.readouterr().out
