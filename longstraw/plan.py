@@ -9,8 +9,9 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
   layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
   (`prompt_graph_budget: 0`).
 
-What the engine runs today: parameters replicated on every rank (stage 0, or 1 with `optim.zero_stage: 1`);
-stages 2 and 3 are planned here so that the size of a run can be judged, and are not implemented yet.
+The engine runs every stage: 0, 1 (`optim.zero_stage: 1`, torch's ZeroRedundancyOptimizer), 2 and 3 (FSDP2,
+`longstraw.parallel.shard_model`). Boundary states follow the engine's rule: all of a rank's if they take at
+most an eighth of the GPU, else every k-th with k = ceil(sqrt(chunks per rank)), plus up to k regenerated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 
 import torch
 
+from .engine.backward import boundary_interval
 from .engine.budget import activation_bytes_per_token
 from .models.registry import build, build_model, config_from_hf
 from .state_size import state_size
@@ -86,17 +88,19 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     rows = size["bytes_per_token"] * tokens / c
     state = rows + size["fixed_bytes"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
-    boundaries = size["fixed_bytes"] * math.ceil(size["prompt_chunks"] / c)
+    budget = gpu_mem_gb * 1e9
+    mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
+    every = boundary_interval(mine, size["fixed_bytes"], int(budget / 8))
+    boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
     chunk_act = act * chunk
     branches = max(1, responses // (gpus // c))
     branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
     common = weights + grads + optim + state
     exact = common + dstate + boundaries + max(chunk_act, branch_act)
     detached = common + branch_act  # its capture runs without autograd
-    budget = gpu_mem_gb * 1e9
     return {
         "model_type": size["model_type"], "parameters": params, "tokens": tokens, "gpus": gpus, "sp": c,
-        "dp": gpus // c, "zero": zero, "chunk": chunk, "branches_per_group": branches,
+        "dp": gpus // c, "zero": zero, "chunk": chunk, "boundary_every": every, "branches_per_group": branches,
         "activation_bytes_per_token": act, "gpu_bytes": budget,
         "per_rank": {"parameters": weights, "gradients": grads, "optimizer": optim, "state shard": state,
                      "dState shard": dstate, "boundary states": boundaries, "one chunk's activations": chunk_act,
@@ -128,6 +132,7 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
         lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}")
     for mode, n in (("exact", fit_exact), ("detached", fit_detached)):
         lines.append(f"smallest N for {mode}: {n if n else 'more than 4096'} GPUs (ZeRO-{r['zero']}, one group)")
-    if r["zero"] >= 2:
-        lines.append("note: the engine implements ZeRO-0/1 so far; stages 2 and 3 are planned here, not runnable yet")
+    if r["boundary_every"] > 1:
+        lines.append(f"boundary states: those of 1 in {r['boundary_every']} chunks kept, the others regenerated "
+                     "(one more no-grad prompt forward)")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,17 @@ def test_cli_prints_the_plan(capsys, tmp_path):
     assert main(["plan", "--config", str(tmp_path), "--tokens", "10", "--gpus", "4", "--gpu-mem-gb", "1",
                  "--sp", "3"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+def test_boundary_states_follow_the_engines_sparse_rule():
+    """All of a rank's boundaries while they take at most 1/8 of the GPU, else 1 in k = ceil(sqrt(chunks per rank))
+    plus up to k regenerated ones (engine/backward.py)."""
+    cfg = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
+    fixed = state_size(cfg, 2_100_000, "bf16", 512)["fixed_bytes"]
+    mine = -(-state_size(cfg, 2_100_000, "bf16", 512)["prompt_chunks"] // 8)
+    roomy = plan(cfg, 2_100_000, 8, 10_000, zero=3, chunk=512, activation_bytes=10_000)
+    tight = plan(cfg, 2_100_000, 8, 96, zero=3, chunk=512, activation_bytes=10_000)
+    assert roomy["boundary_every"] == 1 and roomy["per_rank"]["boundary states"] == fixed * mine
+    k = tight["boundary_every"]
+    assert k == math.isqrt(mine - 1) + 1 > 1
+    assert tight["per_rank"]["boundary states"] == fixed * (-(-mine // k) + k) < fixed * mine / 4
