@@ -7,6 +7,7 @@ The parent prints one row per N with the ratio against N = 1 and checks that the
 
     .venv/bin/python bench/dist_step.py                       # N in {1, 2, 4}, P = 16384, G = 8, tiny dense model
     .venv/bin/python bench/dist_step.py --N 1 2 --P 4096 --arch qwen3_5
+    .venv/bin/python bench/dist_step.py --N 1 2 4 --zero 0 3   # also with the parameters sharded (FSDP2, ZeRO-3)
 
 On CPU every rank is one process with `--threads` threads: with more ranks x threads than cores, the ranks
 share cores and wall time says little; the state bytes per rank and the traffic do not depend on that.
@@ -35,13 +36,18 @@ def worker(args: argparse.Namespace) -> None:
 
     import longstraw as ls
     from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
-    from longstraw.parallel import SequenceParallel
+    from longstraw.parallel import SequenceParallel, shard_model
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     sp = SequenceParallel()
     torch.manual_seed(0)
     model = ls.build_model(ARCHS[args.arch](args.P + args.R + 8))
+    if args.zero[0]:  # a worker runs one stage
+        shard_model(model, args.zero[0], sp)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    param_bytes = sum(local(p).nelement() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.P,), generator=gen)
@@ -58,22 +64,22 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", config=cfg, parallel=sp)
     wall = time.perf_counter() - t0
-    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    grad = torch.cat([full(p.grad).flatten() for p in model.parameters()])
     out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,
            "state_bytes": stats["state_bytes"], "peak_state_bytes": stats["peak_state_bytes"],
-           "bytes_communicated": sp.bytes_communicated, "grad_norm": float(grad.norm()),
+           "bytes_communicated": sp.bytes_communicated, "param_bytes": param_bytes, "grad_norm": float(grad.norm()),
            "grad_head": grad[:2048].tolist()}
     Path(args.out_dir, f"rank-{sp.rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
     os._exit(0)
 
 
-def run(n: int, args: argparse.Namespace) -> list[dict]:
+def run(n: int, zero: int, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                os.path.abspath(__file__), "--worker", "--out-dir", d, "--P", str(args.P), "--G", str(args.G),
                "--R", str(args.R), "--arch", args.arch, "--threads", str(args.threads),
-               "--prompt-chunk", str(args.prompt_chunk)]
+               "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(__file__).parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         files = sorted(Path(d).glob("rank-*.json"))
@@ -91,6 +97,8 @@ def main() -> None:
     ap.add_argument("--arch", default="dense", choices=list(ARCHS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-chunk", type=int, default=2048)
+    ap.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 2, 3),
+                    help="ZeRO stages to run at N > 1 (2, 3: FSDP2 shards parameters and gradients)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/out/dist_step.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -103,26 +111,31 @@ def main() -> None:
     import math
 
     rows, base = [], None
-    head = (f"{'N':>3} {'wall s':>8} {'vs N=1':>7} {'state MiB/rank':>15} {'state+dState MiB/rank':>22} "
-            f"{'peak MiB/rank (max)':>20} {'comm MiB/rank':>14} {'grad rel err vs N=1':>20}")
+    head = (f"{'N':>3} {'ZeRO':>4} {'wall s':>8} {'vs N=1':>7} {'params MiB/rank':>15} {'state MiB/rank':>15} "
+            f"{'state+dState MiB/rank':>22} {'peak MiB/rank (max)':>20} {'SP comm MiB/rank':>17} "
+            f"{'grad rel err vs N=1':>20}")
     print(head + "\n" + "-" * len(head), flush=True)
-    for n in args.N:
-        ranks = run(n, args)
+    for n, zero in [(n, z) for n in args.N for z in (args.zero if n > 1 else [0])]:
+        ranks = run(n, zero, args)
         wall = max(r["seconds"] for r in ranks)
         if base is None:
             base = {**ranks[0], "wall": wall}
         err = math.sqrt(sum((a - b) ** 2 for a, b in zip(ranks[0]["grad_head"], base["grad_head"])))
         err /= math.sqrt(sum(b * b for b in base["grad_head"])) or 1.0
-        row = {"N": n, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
+        row = {"N": n, "zero": zero, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
+               "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
                "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
                "peak_state_bytes_per_rank": [r["peak_state_bytes"] for r in ranks],
                "peak_delta_bytes_per_rank": [r["peak_delta_bytes"] for r in ranks],
                "bytes_communicated_per_rank": [r["bytes_communicated"] for r in ranks],
                "grad_rel_err_vs_1_first_2048": err}
         rows.append(row)
-        print(f"{n:>3} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['state_bytes_per_rank']) / MIB:>15.2f} "
-              f"{max(row['peak_state_bytes_per_rank']) / MIB:>22.2f} {max(row['peak_delta_bytes_per_rank']) / MIB:>20.1f} "
-              f"{max(row['bytes_communicated_per_rank']) / MIB:>14.1f} {err:>20.2e}", flush=True)
+        print(f"{n:>3} {zero:>4} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['param_bytes_per_rank']) / MIB:>15.2f} "
+              f"{max(row['state_bytes_per_rank']) / MIB:>15.2f} {max(row['peak_state_bytes_per_rank']) / MIB:>22.2f} "
+              f"{max(row['peak_delta_bytes_per_rank']) / MIB:>20.1f} {max(row['bytes_communicated_per_rank']) / MIB:>17.1f} "
+              f"{err:>20.2e}", flush=True)
+    print("SP comm: the payload handed to the sequence-parallel collectives (FSDP's all-gathers and "
+          "reduce-scatters come on top)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(f"results: {args.out}")
