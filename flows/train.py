@@ -95,6 +95,7 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
         "kl": sum(r["kl_sum"] for r in replays) / max(tokens, 1),
         "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(tokens, 1),
         "grad_norm": opt["grad_norm"],
+        "skipped_updates": opt.get("skipped", 0.0),
         "lr": opt["lr"],
         "response_len": _mean([r["response_len_mean"] for r in rolls]),
         "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),

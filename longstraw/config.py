@@ -29,7 +29,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class ModelSpec(BaseModel):
     """Either an HF checkpoint directory (`path`) or a transformers config dict for a random model (`random`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str | None = None
     random: dict | None = None
@@ -46,7 +46,7 @@ class ModelSpec(BaseModel):
 class StepConfig(BaseModel):
     """`longstraw step`: one GRPO step on a synthetic group per mode, to compare the modes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: ModelSpec
     dtype: DType = "float32"

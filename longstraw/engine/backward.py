@@ -26,7 +26,7 @@ from ..parallel import SequenceParallel, is_sharded
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
 from .capture import capture_checked, check_prompt, empty_state, run_chunk, store_chunk
-from .checks import as_responses, check_per_token, check_positions
+from .checks import as_advantages, as_responses, check_per_token, check_positions
 from .replay import replay_logprobs, token_logprobs
 
 MODES = ("naive", "detached", "exact")
@@ -65,9 +65,7 @@ def grpo_backward(
     if parallel is not None:
         parallel.check_same(torch.cat([torch.tensor([len(r) for r in resp]), *resp]), "responses")
     check_positions(prompt.numel(), resp, mc.max_position_embeddings)
-    adv = torch.as_tensor(advantages, dtype=torch.float64).flatten()
-    if adv.numel() != len(resp):
-        raise ValueError(f"advantages has {adv.numel()} values for {len(resp)} responses (one per response)")
+    adv = as_advantages(advantages, len(resp))
     old = check_per_token(old_logprobs, resp, "old_logprobs")
     ref = check_per_token(ref_logprobs, resp, "ref_logprobs")
     if cfg.kl_coef > 0 and ref is None:

@@ -53,8 +53,25 @@ def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what
         v = torch.as_tensor(v, dtype=torch.float32 if not torch.is_tensor(v) else None).flatten()
         if v.numel() != r.numel():
             raise ValueError(f"{what}[{i}] has {v.numel()} values for a response of {r.numel()} tokens")
+        if not torch.isfinite(v).all():
+            raise ValueError(f"{what}[{i}] holds non-finite values (NaN or inf); log-probs must be finite "
+                             "(recompute them, or check the sampler)")
         out.append(v)
     return out
+
+
+def as_advantages(advantages, count: int) -> torch.Tensor:
+    """One finite advantage per response, as float64 [count]."""
+    adv = torch.as_tensor(advantages, dtype=torch.float64)
+    if adv.dim() > 1:
+        raise ValueError(f"advantages must be 1-D, one per response, got shape {tuple(adv.shape)}")
+    adv = adv.flatten()
+    if adv.numel() != count:
+        raise ValueError(f"advantages has {adv.numel()} values for {count} responses (one per response)")
+    if not torch.isfinite(adv).all():
+        raise ValueError(f"advantages hold non-finite values {adv.tolist()}; check the rewards (a group whose "
+                         "rewards are all equal has zero advantages, not NaN)")
+    return adv
 
 
 def check_state(model: PrefixLM, state: PrefixState, parallel: SequenceParallel | None = None) -> None:

@@ -14,7 +14,7 @@ LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"
 class GRPOConfig(BaseModel):
     """GRPO loss and execution knobs. The execution knobs never change the gradient, only time and memory."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(0.2, ge=0.0, description="ratio clipped above at 1 + clip_high (DAPO: clip-higher)")

@@ -12,7 +12,7 @@ from ..grpo import GRPOConfig
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # `lr: .inf` must not validate
 
 
 class OptimConfig(_Strict):

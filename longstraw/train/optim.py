@@ -4,6 +4,7 @@ ZeRO-2/3: FSDP2, longstraw/parallel/fsdp.py)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, **kw)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def lr_at(update: int, total: int, cfg: OptimConfig) -> float:
     """Learning rate of update number `update` (0-based) of `total`: linear warm-up, then the decay schedule."""
     if update < cfg.warmup_updates:
@@ -54,7 +59,11 @@ def lr_at(update: int, total: int, cfg: OptimConfig) -> float:
 def optimizer_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, cfg: OptimConfig, update: int, total: int
 ) -> dict[str, float]:
-    """Clip the global grad norm, set this update's lr, step, clear the gradients. Returns grad_norm and lr."""
+    """Clip the global grad norm, set this update's lr, step, clear the gradients. Returns grad_norm, lr and
+    skipped (1.0 when the gradient norm was not finite: the update is skipped, weights and moments untouched).
+
+    Raises FloatingPointError when the step itself made a weight non-finite; the caller must not commit these
+    weights (the pipeline keeps the previous checkpoint)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     if len(missing) == len(params):
@@ -62,11 +71,22 @@ def optimizer_step(
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded (FSDP): the global norm
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"gradient norm is {norm}; refusing the update (lower optim.lr or check the data)")
     lr = lr_at(update, total, cfg)
+    if not math.isfinite(norm):  # every rank sees the same global norm, so all skip together
+        optimizer.zero_grad(set_to_none=True)
+        warnings.warn(f"update {update}: gradient norm is {norm}; skipped the update, the weights stay as they "
+                      "were (check the rewards and log-probs, or lower optim.lr)", stacklevel=2)
+        return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
     for g in optimizer.param_groups:
         g["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": norm, "lr": lr}
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(_local(p)).all())]
+    if is_sharded(model):  # each rank checks its own shards; all must raise together
+        count = torch.tensor([len(bad)], device=_local(params[0]).device)
+        dist.all_reduce(count)
+        bad = bad or ([] if int(count) == 0 else ["(on another rank)"])
+    if bad:
+        raise FloatingPointError(f"update {update} made {len(bad)} weights non-finite (first: {bad[0]}) from a finite "
+                                 f"gradient (norm {norm:.3g}) at lr {lr:g}; lower optim.lr")
+    return {"grad_norm": norm, "lr": lr, "skipped": 0.0}

@@ -3,6 +3,7 @@ the optimizer stage equals a hand-written AdamW step, and what they store is ver
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from longstraw.train.config import TrainConfig
 from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.optim import build_optimizer, lr_at
 from longstraw.data.tokenizer import load_tokenizer
-from tests.conftest import flat_grad, rel_err, tiny_config
+from tests.conftest import flat_grad, rel_err, tiny_config, tiny_model
 
 ADV = [1.0, -0.5, 0.7, -1.2]
 
@@ -136,6 +137,39 @@ def test_state_from_other_weights_is_refused(tmp_path):
     out = stages.optimizer_stage(cfg, init["checkpoint"], replays, update=0, step=0)
     with pytest.raises(ValueError, match="weights"):  # the state was captured with the update-0 weights
         stages.replay_stage(cfg, out["checkpoint"], cap["url"], roll, rew, None, 0, 0, 0, [0])
+
+
+def test_non_finite_updates_are_skipped_or_refused():
+    """A non-finite gradient norm skips the update (weights and moments untouched, said in a warning and in
+    `skipped`); a step that makes weights non-finite raises before anything is committed; lr: inf does not
+    validate."""
+    from pydantic import ValidationError
+
+    from longstraw.train.config import OptimConfig
+    from longstraw.train.optim import optimizer_step
+
+    with pytest.raises(ValidationError, match="finite"):
+        OptimConfig(lr=float("inf"))
+    model = tiny_model("qwen3")
+    cfg = OptimConfig(lr=1e-3)
+    opt = build_optimizer(model, cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match="skipped the update"):
+        out = optimizer_step(model, opt, cfg, 0, 1)
+    assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    assert all(p.grad is None for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    huge = OptimConfig(lr=1e33, grad_clip=None, weight_decay=0.0)
+    big = build_optimizer(model, huge)
+    with torch.no_grad():
+        next(model.parameters()).fill_(-torch.finfo(torch.float32).max)  # the update (-lr x sign(grad)) pushes it past float32's range
+    with pytest.raises(FloatingPointError, match="made .* weights non-finite"):
+        optimizer_step(model, big, huge, 0, 1)
 
 
 def test_lr_schedule():
