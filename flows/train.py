@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.config import TrainConfig
+from longstraw.train.lock import RunLock
 from tasks import tracking
 from tasks.stages import configured
 
@@ -125,9 +126,13 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
     """Train with GRPO for `config.steps` steps (a TrainConfig as a dict), continuing from the run directory's
     latest checkpoint. Returns the final checkpoint and the per-step metrics."""
     cfg = TrainConfig.model_validate(config)
+    with RunLock(cfg.run_dir):  # before anything is written: a second run on this directory stops here
+        return _train(cfg, progress)
+
+
+def _train(cfg: TrainConfig, progress: bool) -> dict:
     logger = get_run_logger()
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
     init = configured("init_run", cfg)(cfg.model_dump(mode="json"), {})
     start = init["update"] // cfg.epochs

@@ -8,6 +8,7 @@ import json
 import sys
 
 from .files import write_bytes
+from .train.lock import RunDirLocked
 
 
 def _write_json(path: str | None, obj) -> None:
@@ -146,7 +147,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RunDirLocked) as e:
         print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
         return 2
 
