@@ -57,7 +57,8 @@ def _resume_config(target: str) -> dict:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a run directory written by `longstraw train`")
-        return load_json(path / "config.json")
+        # the directory given wins over the run_dir recorded in it (the run may have been moved or copied)
+        return {**load_json(path / "config.json"), "run_dir": str(path.resolve())}
     if path.suffix in (".yaml", ".yml"):
         raise ValueError(f"{target} is a config file; resume takes a run directory or a flow-run id "
                          f"(`longstraw train --config {target}` also continues its run directory)")

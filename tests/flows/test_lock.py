@@ -40,3 +40,15 @@ def test_second_train_on_a_held_run_dir_is_refused(tmp_path, capsys):
     with RunLock(run_dir):  # the kernel dropped the dead holder's lock
         with pytest.raises(RunDirLocked, match=f"in use by PID {os.getpid()}"):
             RunLock(run_dir).__enter__()
+
+
+def test_resume_of_a_moved_run_dir_uses_the_given_directory(tmp_path):
+    """`longstraw resume <dir>` continues in <dir>, not in the run_dir its config.json recorded before a move."""
+    import json
+
+    from flows.cli import _resume_config
+
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "config.json").write_text(json.dumps(config(tmp_path / "old-place")))
+    assert _resume_config(str(moved))["run_dir"] == str(moved.resolve())
