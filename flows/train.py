@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
+from longstraw.version import code_digest
 from tasks import tracking
 from tasks.stages import configured
 
@@ -134,6 +135,11 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     logger = get_run_logger()
     run_dir = Path(cfg.run_dir)
     save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
+    code, code_path = code_digest(), run_dir / "code.json"
+    if code_path.is_file() and (was := load_json(code_path).get("code")) != code:
+        logger.warning("the library changed since this run last ran (%s -> %s): stages that completed with the old "
+                       "code are computed again (cache keys include the code digest)", was, code)
+    save_json(code_path, {"code": code})
     init = configured("init_run", cfg)(cfg.model_dump(mode="json"), {})
     start = init["update"] // cfg.epochs
     checkpoint = str(cfg.paths().checkpoint(start * cfg.epochs))

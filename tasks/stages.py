@@ -1,16 +1,17 @@
 """One Prefect task per stage of a GRPO step; each wraps the library function of the same name in
 `longstraw.train.stages` and records a nested MLflow run.
 
-Caching: a stage's cache key is its name, the source of its library function and its inputs (the config, which
-holds the run directory, and the URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts)
-persist under `<run_dir>/prefect-results`, so re-running a failed flow run, or a new run of the same step, skips
-every stage that completed. Retries with exponential backoff cover transient I/O errors only.
+Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
+and its inputs (the config, which holds the run directory, and the URLs/hashes it reads), not the MLflow parent
+run. Results (small JSON dicts) persist under `<run_dir>/prefect-results`, so re-running a failed flow run, or a
+new run of the same step, skips every stage that completed with the same code; after any change to the library
+(the engine, the ops, the loss, not only the stage function) the stages run again. Retries with exponential
+backoff cover transient I/O errors only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from prefect.tasks import exponential_backoff
 
 import longstraw.train.stages as lib
 from longstraw.train.config import TrainConfig
+from longstraw.version import code_digest
 
 from . import tracking
 
@@ -30,12 +32,10 @@ _TAG_KEYS = ("step", "group", "epoch", "update")
 
 
 def _cache_key(name: str):
-    source = inspect.getsource(getattr(lib, name))
-
     def key(_ctx, params: dict) -> str:
         inputs = {"config": params["config"], "args": params["args"]}
         blob = json.dumps(inputs, sort_keys=True, default=str)
-        return hashlib.sha256(f"{name}\n{source}\n{blob}".encode()).hexdigest()
+        return hashlib.sha256(f"{name}\n{code_digest()}\n{blob}".encode()).hexdigest()
 
     return key
 

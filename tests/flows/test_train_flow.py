@@ -87,6 +87,47 @@ def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch)
     assert [h["step"] for h in history] == [0, 1]
 
 
+def test_resume_after_a_library_change_recomputes_the_completed_stages(tmp_path, counted, monkeypatch):
+    """Cache keys include the digest of the library's sources: a resume with the same code takes the completed
+    stages from the cache, one after a change anywhere in the library computes them again."""
+    import tasks.stages
+
+    cfg = config(tmp_path / "run", steps=1)
+    optimizer = lib.optimizer_stage
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected optimizer fault")
+
+    monkeypatch.setattr(lib, "optimizer_stage", broken)
+    for _ in range(2):  # the first run, then a resume with the same code: it fails at the same place
+        before = counted.copy()
+        with pytest.raises(Exception, match="injected optimizer fault"):
+            grpo_train(cfg, progress=False)
+        new = counted - before
+    assert new[("capture_stage", 0)] == new[("replay_stage", 0)] == new[("prompt_stage", 0)] == 0  # cached
+    monkeypatch.setattr(lib, "optimizer_stage", optimizer)
+    monkeypatch.setattr(tasks.stages, "code_digest", lambda: "0.1.0+changed")
+    before = counted.copy()
+    grpo_train(cfg, progress=False)
+    new = counted - before
+    assert new[("capture_stage", 0)] == new[("rollout_stage", 0)] == new[("reward_stage", 0)] == 1
+    assert new[("replay_stage", 0)] == 4 and new[("prompt_stage", 0)] == 1 and new[("optimizer_stage", 0)] == 1
+
+
+def test_code_digest_covers_every_library_source(tmp_path):
+    """A change deep in the library (the loss), not only in a stage function, changes the digest."""
+    import shutil
+
+    from longstraw.version import PACKAGE, code_digest, source_digest
+
+    copy = tmp_path / "longstraw"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(PACKAGE) and code_digest().endswith(source_digest(copy)[:16])
+    loss = copy / "grpo" / "loss.py"
+    loss.write_text(loss.read_text() + "\n# a change\n")
+    assert source_digest(copy) != source_digest(PACKAGE)
+
+
 def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
     from mlflow import MlflowClient
 
