@@ -1,10 +1,12 @@
-"""The prompts of a training step: from a built-in task (generated from the seed) or a JSONL dataset (streamed)."""
+"""The prompts of a training step: from a built-in task (generated from the seed) or a JSONL dataset (indexed)."""
 
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
+from pathlib import Path
 
-from ..data import Example, Tokenizer, iter_jsonl
+from ..data import Example, JsonlIndex, Tokenizer
 from ..problems import make_problem
 from .config import TrainConfig
 
@@ -15,22 +17,21 @@ def example_seed(seed: int, step: int, group: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _dataset_example(path: str, index: int) -> Example:
-    """Example `index` of the JSONL file, wrapping around at the end (one streaming pass, two if it wraps)."""
-    count = 0
-    for i, ex in enumerate(iter_jsonl(path)):
-        if i == index:
-            return ex
-        count = i + 1
-    if count == 0:
-        raise ValueError(f"dataset {path} has no examples")
-    return _dataset_example(path, index % count)
+@lru_cache(maxsize=8)
+def _index(path: str, size: int, mtime_ns: int) -> JsonlIndex:
+    return JsonlIndex(path)  # once per process and file version; on disk beside the file for the next process
+
+
+def dataset_example(path: str, index: int) -> Example:
+    """Example `index` of the JSONL file, wrapping around at the end: one seek, from the file's index."""
+    st = Path(path).stat()
+    return _index(path, st.st_size, st.st_mtime_ns)[index]
 
 
 def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> Example:
     index = step * cfg.groups + group
     if cfg.dataset is not None:
-        return _dataset_example(cfg.dataset, index)
+        return dataset_example(cfg.dataset, index)
     if cfg.task_pool is not None:  # example k of the pool, whatever step it comes up in
         step, group = divmod(index % cfg.task_pool, cfg.groups)
     return make_problem(cfg.task, example_seed(cfg.seed, step, group), cfg.prompt_tokens, tok, **cfg.task_options)

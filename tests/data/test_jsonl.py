@@ -107,3 +107,28 @@ def test_bom_and_missing_file(tmp_path):
     assert [e.prompt for e in iter_jsonl(path)] == ["p"]
     with pytest.raises(FileNotFoundError):
         list(iter_jsonl(tmp_path / "absent.jsonl"))
+
+
+def test_index_is_built_once_and_reads_by_seek(tmp_path, monkeypatch):
+    """`JsonlIndex`: the examples iter_jsonl gives, one seek each, wrapping around; built in one pass and cached
+    beside the file; a changed file gets a new index; an error still names its line."""
+    from longstraw.data import JsonlIndex
+    from longstraw.data import jsonl as mod
+
+    rows = [json.dumps({"prompt": f"q{i} é", "answer": str(i)}, ensure_ascii=False) for i in range(5)]
+    path = write(tmp_path / "d.jsonl", [rows[0], "", *rows[1:3], "  ", *rows[3:]])
+    idx = JsonlIndex(path)
+    want = list(iter_jsonl(path))
+    assert len(idx) == 5 and [idx[i] for i in range(5)] == want and idx[7] == want[2]
+    cached = json.loads((tmp_path / "d.jsonl.index.json").read_text())
+    assert cached["lines"] == [1, 3, 4, 6, 7] and len(cached["sha256"]) == 64
+
+    builds = []
+    real = mod.JsonlIndex._build
+    monkeypatch.setattr(mod.JsonlIndex, "_build", lambda self: builds.append(1) or real(self))
+    assert JsonlIndex(path)[4] == want[4] and builds == []  # the cached index, no scan
+    write(path, [rows[4], "{bad json"])
+    with pytest.raises(ValueError, match="d.jsonl, line 2: bad JSON"):
+        JsonlIndex(path)
+    write(path, [rows[4], rows[0]])
+    assert JsonlIndex(path)[0].prompt == "q4 é" and builds == [1, 1]
