@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
+from longstraw.train.stages import preflight
 from longstraw.version import code_digest
 from tasks import tracking
 from tasks.stages import configured
@@ -134,6 +135,7 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
 def _train(cfg: TrainConfig, progress: bool) -> dict:
     logger = get_run_logger()
     run_dir = Path(cfg.run_dir)
+    preflight(cfg)  # bad rewards, tasks, options and lengths fail here, before anything is written
     save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
     code, code_path = code_digest(), run_dir / "code.json"
     if code_path.is_file() and (was := load_json(code_path).get("code")) != code:

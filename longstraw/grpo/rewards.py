@@ -53,7 +53,7 @@ def get_reward(spec: str) -> RewardFn:
             raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"reward {spec!r} is a {type(obj).__name__}, not a function; it must be callable as "
+        raise ValueError(f"reward {spec!r} is a {type(obj).__name__}, not a function; it must be callable as "
                         f"fn(prompt_meta: dict, response_text: str) -> float")
     return obj
 

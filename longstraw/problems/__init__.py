@@ -8,6 +8,8 @@ text itself (a chat template adds its few tokens on top).
 
 from __future__ import annotations
 
+import inspect
+
 from ..data import Example, Tokenizer
 from . import kv_retrieval, multi_hop, needle_count
 from .base import Problem
@@ -24,7 +26,12 @@ def get_problem(name: str) -> Problem:
 
 def make_problem(name: str, seed: int, target_tokens: int, tokenizer: Tokenizer, **options) -> Example:
     """One example of task `name`, about target_tokens tokens long (within 5%) under `tokenizer`."""
-    return get_problem(name).make(seed, target_tokens, tokenizer, **options)
+    problem = get_problem(name)
+    known = list(inspect.signature(problem.make).parameters)[3:]  # after seed, target_tokens, tokenizer
+    if unknown := sorted(set(options) - set(known)):
+        raise ValueError(f"task_options {unknown} are not options of task {name!r}; its options: "
+                         f"{', '.join(known) or 'none'}")
+    return problem.make(seed, target_tokens, tokenizer, **options)
 
 
 __all__ = ["PROBLEMS", "Example", "Problem", "get_problem", "make_problem"]

@@ -25,6 +25,8 @@ from ..grpo import group_advantages, token_weights
 from ..grpo.rewards import compute_rewards, get_reward
 from ..memory import PeakMeter
 from ..models import build_model, load_model
+from ..models.checkpoint import read_config
+from ..models.registry import config_from_hf
 from ..rollout import rollout
 from ..store import ROLLOUT_FORMAT, load_state, read_manifest, save_rollout, save_state, weights_version
 from ..store import load_rollout as store_load_rollout
@@ -62,6 +64,21 @@ def _ref(path: str, sha: str) -> dict:
 
 
 # ---- run set-up ---------------------------------------------------------------------------------------------
+
+def preflight(cfg: TrainConfig) -> None:
+    """Check what the stages would find only later, before any work: the reward resolves, the task and its
+    options make a prompt, the tokenizer covers it, and prompt + answers fit the model's positions."""
+    tok = load_tokenizer(cfg.tokenizer)
+    ids = prompt_ids(tok, step_example(cfg, tok, 0, 0))
+    get_reward(cfg.reward or cfg.task)
+    hf = read_config(cfg.model.path) if cfg.model.path else cfg.model.random
+    mc = config_from_hf(hf)
+    check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+    if len(ids) + cfg.max_new_tokens > mc.max_position_embeddings:
+        raise ValueError(f"a prompt of {len(ids)} tokens (prompt_tokens {cfg.prompt_tokens} and the chat template) "
+                         f"+ max_new_tokens {cfg.max_new_tokens} exceeds the model's max_position_embeddings "
+                         f"{mc.max_position_embeddings}; lower prompt_tokens or use a long-context checkpoint")
+
 
 def init_run(cfg: TrainConfig) -> dict:
     """The checkpoint to continue from: the run's latest, or update 0 made from the configured model."""

@@ -52,3 +52,12 @@ def test_resume_of_a_moved_run_dir_uses_the_given_directory(tmp_path):
     moved.mkdir()
     (moved / "config.json").write_text(json.dumps(config(tmp_path / "old-place")))
     assert _resume_config(str(moved))["run_dir"] == str(moved.resolve())
+
+
+def test_bad_reward_fails_before_anything_is_written(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config(run_dir, steps=1, reward="math:pi")))
+    assert main(["train", "--config", str(path), "--no-progress"]) == 2
+    assert "reward 'math:pi' is a float, not a function" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]

@@ -72,7 +72,7 @@ def test_module_function_spec(tmp_path, monkeypatch):
     assert get_reward("user_rewards_mod:Scorer.score")({}, "") == 1.0
     with pytest.raises(ValueError, match="no attribute 'missing'"):
         get_reward("user_rewards_mod:missing")
-    with pytest.raises(TypeError, match="not a function"):
+    with pytest.raises(ValueError, match="not a function"):
         get_reward("user_rewards_mod:NOT_A_FUNCTION")
     with pytest.raises(ValueError, match="no_such_module_xyz"):
         get_reward("no_such_module_xyz:fn")

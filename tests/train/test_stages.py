@@ -172,6 +172,22 @@ def test_non_finite_updates_are_skipped_or_refused():
         optimizer_step(model, big, huge, 0, 1)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(reward="math:pi"), "is a float, not a function"),
+    (dict(reward="no_such_reward"), "unknown reward 'no_such_reward'"),
+    (dict(task="kv-retreival"), "unknown task 'kv-retreival'"),
+    (dict(task_options={"key_char": 3}), r"task_options \['key_char'\] are not options of task 'kv-retrieval'; "
+                                          "its options: key_chars, value_digits"),
+    (dict(prompt_tokens=1020), "exceeds the model's max_position_embeddings 1024"),
+])
+def test_preflight_fails_before_any_work(tmp_path, kw, match):
+    cfg = make_cfg(tmp_path, **kw)
+    with pytest.raises(ValueError, match=match):
+        stages.preflight(cfg)
+    assert not (tmp_path / "run").exists()
+    stages.preflight(make_cfg(tmp_path))  # the base config passes
+
+
 def test_lr_schedule():
     from longstraw.train.config import OptimConfig
 
