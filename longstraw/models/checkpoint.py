@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -51,9 +51,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def iter_tensors(path: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, so peak memory stays near one tensor beyond the model."""
     for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt", device=str(device)) as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        except SafetensorError as e:  # truncated or not safetensors at all: say which file
+            raise ValueError(f"{f} is not a readable safetensors file ({e}); it may be truncated: copy or "
+                             f"download it again") from None
 
 
 # checkpoint prefixes that hold no text-model weights (vision tower, multi-token-prediction heads)

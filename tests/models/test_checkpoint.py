@@ -87,6 +87,14 @@ def test_missing_tensor(tmp_path):
         ls.load_model(tmp_path)
 
 
+def test_truncated_weights_name_the_file(tmp_path):
+    hf_model().save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file .* truncated"):
+        ls.load_model(tmp_path)
+
+
 def test_missing_tensor_in_sharded_checkpoint(tmp_path):
     hf_model().save_pretrained(tmp_path, max_shard_size="20KB")
     name = "model.norm.weight"
