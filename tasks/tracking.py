@@ -59,6 +59,19 @@ def log_metrics(cfg: TrainConfig, run_id: str, metrics: dict[str, float], step: 
         client(cfg).log_batch(run_id, metrics=batch)
 
 
+def _end_orphans(c, exp_id: str, run_dir: str | None) -> None:
+    """Mark KILLED the runs of this run directory that a killed process left RUNNING, with their nested stage
+    runs. Only the holder of the run-directory lock starts a parent run, so none of them is alive."""
+    if run_dir is None:
+        return
+    quoted = run_dir.replace("'", "\\'")
+    for parent in c.search_runs([exp_id], f"attributes.status = 'RUNNING' and tags.run_dir = '{quoted}'"):
+        pid = parent.info.run_id
+        for child in c.search_runs([exp_id], f"attributes.status = 'RUNNING' and tags.`mlflow.parentRunId` = '{pid}'"):
+            c.set_terminated(child.info.run_id, "KILLED")
+        c.set_terminated(pid, "KILLED")
+
+
 def start_parent(cfg: TrainConfig, name: str, tags: dict[str, str]) -> str:
     """Create the parent run of a flow run, with the whole config as params."""
     from mlflow.entities import Param
@@ -71,6 +84,7 @@ def start_parent(cfg: TrainConfig, name: str, tags: dict[str, str]) -> str:
         else:  # artefacts beside the run's sqlite db, not in ./mlruns of whatever directory this runs in
             where = None if cfg.tracking.uri else (Path(cfg.run_dir) / "mlartifacts").resolve().as_uri()
             exp_id = c.create_experiment(cfg.tracking.experiment, artifact_location=where)
+        _end_orphans(c, exp_id, tags.get("run_dir"))
         run = c.create_run(exp_id, run_name=name, tags=tags)
         params = [Param(k, v[:6000]) for k, v in _flatten(cfg.model_dump(mode="json")).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
