@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
-from longstraw.train.stages import preflight
+from longstraw.train.stages import missing_artefacts, preflight
 from longstraw.version import code_digest
 from tasks import tracking
 from tasks.stages import configured
@@ -28,10 +28,19 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def _run_all(name: str, cfg: TrainConfig, parent: str | None, calls: list[dict]) -> list[dict]:
-    """Submit one task per argument dict (they run concurrently), then wait for all, in order."""
+    """Submit one task per argument dict (they run concurrently), then wait for all, in order. A result whose
+    artefact is gone (a cached stage whose checkpoint, file or stored state was deleted since) runs again."""
     t = configured(name, cfg)
-    futures = [t.submit(cfg.model_dump(mode="json"), args, parent) for args in calls]
-    return [f.result() for f in futures]
+    config = cfg.model_dump(mode="json")
+    results = [f.result() for f in [t.submit(config, args, parent) for args in calls]]
+    redo = [i for i, r in enumerate(results) if missing_artefacts(r)]
+    if redo:
+        get_run_logger().warning("%s: %d cached results name artefacts that are gone (%s); computing them again",
+                                 name, len(redo), missing_artefacts(results[redo[0]])[0])
+        again = t.with_options(refresh_cache=True)
+        for i, f in zip(redo, [again.submit(config, calls[i], parent) for i in redo]):
+            results[i] = f.result()
+    return results
 
 
 def _slices(n: int, size: int) -> list[list[int]]:

@@ -11,8 +11,10 @@ The prompt runs once per step for the policy: the rollout samples from the captu
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+from fsspec.core import url_to_fs
 from torch import nn
 
 from ..config import torch_dtype
@@ -64,6 +66,16 @@ def _ref(path: str, sha: str) -> dict:
 
 
 # ---- run set-up ---------------------------------------------------------------------------------------------
+
+def missing_artefacts(out: dict) -> list[str]:
+    """The artefacts a stage's result names (`checkpoint`, `path`, `url`) that are not there (any more)."""
+    gone = [out[k] for k in ("checkpoint", "path") if k in out and not Path(out[k]).exists()]
+    if "url" in out:
+        fs, where = url_to_fs(out["url"])
+        if not fs.exists(where):
+            gone.append(out["url"])
+    return gone
+
 
 def preflight(cfg: TrainConfig) -> None:
     """Check what the stages would find only later, before any work: the reward resolves, the task and its

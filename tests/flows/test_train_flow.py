@@ -114,6 +114,26 @@ def test_resume_after_a_library_change_recomputes_the_completed_stages(tmp_path,
     assert new[("replay_stage", 0)] == 4 and new[("prompt_stage", 0)] == 1 and new[("optimizer_stage", 0)] == 1
 
 
+def test_a_cached_stage_whose_artefact_is_gone_runs_again(tmp_path, counted):
+    """The user deletes the final checkpoint; resume recomputes it (the optimizer and the gradient files it
+    needs, which were deleted after the commit) from the cached, still present state and rollout, and gets
+    the same weights."""
+    import shutil
+
+    cfg = config(tmp_path / "run", steps=1)
+    first = weights(grpo_train(cfg, progress=False))
+    final = tmp_path / "run" / "checkpoints" / "update-000001"
+    shutil.rmtree(final)
+    before = counted.copy()
+    assert main(["resume", str(tmp_path / "run"), "--no-progress"]) == 0
+    new = counted - before
+    assert final.is_dir() and new[("optimizer_stage", 0)] == 1
+    assert new[("replay_stage", 0)] == 4 and new[("prompt_stage", 0)] == 1
+    assert new[("capture_stage", 0)] == new[("rollout_stage", 0)] == new[("reward_stage", 0)] == 0
+    again = weights({"checkpoint": str(final)})
+    assert all(torch.equal(again[k], first[k]) for k in first)
+
+
 def test_code_digest_covers_every_library_source(tmp_path):
     """A change deep in the library (the loss), not only in a stage function, changes the digest."""
     import shutil
