@@ -11,11 +11,13 @@ import os
 import time
 from pathlib import Path
 
+from fsspec.core import url_to_fs
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm.auto import tqdm
 
+from longstraw.files import CorruptArtefact
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
@@ -63,7 +65,7 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
     caps = _run_all("capture_stage", cfg, parent, [
         dict(checkpoint=checkpoint, step=step, group=g, epoch=0) for g in groups])
     rolls = _run_all("rollout_stage", cfg, parent, [
-        dict(checkpoint=checkpoint, state_url=caps[g]["url"], step=step, group=g) for g in groups])
+        dict(checkpoint=checkpoint, state=_state(caps[g]), step=step, group=g) for g in groups])
     refs: list[dict | None] = [None] * cfg.groups
     if cfg.grpo.kl_coef > 0:
         ref_ckpt = str(cfg.paths().checkpoint(0))
@@ -77,7 +79,7 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
         if epoch > 0:  # the weights changed: the prefix state must be recaptured with them
             caps = _run_all("capture_stage", cfg, parent, [
                 dict(checkpoint=checkpoint, step=step, group=g, epoch=epoch) for g in groups])
-        calls = [dict(checkpoint=checkpoint, state_url=caps[g]["url"], rollout_ref=_ref(rolls[g]),
+        calls = [dict(checkpoint=checkpoint, state=_state(caps[g]), rollout_ref=_ref(rolls[g]),
                       reward_ref=_ref(rews[g]), reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch,
                       branches=b)
                  for g in groups for b in _slices(cfg.responses, cfg.pipeline.branches_per_task)]
@@ -86,7 +88,7 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
         if cfg.mode == "exact":
             per_group = [[_ref(r) for r, c in zip(replays, calls) if c["group"] == g] for g in groups]
             prompts = _run_all("prompt_stage", cfg, parent, [
-                dict(checkpoint=checkpoint, state_url=caps[g]["url"], replay_refs=per_group[g], step=step, group=g,
+                dict(checkpoint=checkpoint, state=_state(caps[g]), replay_refs=per_group[g], step=step, group=g,
                      epoch=epoch) for g in groups])
             grads += [_ref(p) for p in prompts]
         (opt,) = _run_all("optimizer_stage", cfg, parent, [
@@ -121,6 +123,25 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
     if cfg.mode == "exact":
         metrics["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
     return {"step": step, "checkpoint": checkpoint, "metrics": metrics}
+
+
+def _state(capture: dict) -> dict:
+    return {"url": capture["url"], "sha256": capture["sha256"]}
+
+
+def _step_dropping_corrupt(step_flow, cfg: TrainConfig, step: int, checkpoint: str, parent: str | None) -> dict:
+    """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a gradient file: derived
+    data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached, but its
+    artefact is gone now, so it runs again (`_run_all`), and nothing has to be cleaned up by hand."""
+    try:
+        return step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
+    except CorruptArtefact as e:
+        fs, where = url_to_fs(e.where)
+        if Path(cfg.paths().checkpoints).resolve() in Path(where).resolve().parents or not fs.exists(where):
+            raise
+        get_run_logger().warning("step %d: %s; deleted it, running the step again", step, e)
+        fs.rm(where, recursive=True)
+    return step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
 
 
 def _ref(out: dict | None) -> dict | None:
@@ -165,7 +186,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     try:
         for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
                          initial=start, total=cfg.steps):
-            res = step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
+            res = _step_dropping_corrupt(step_flow, cfg, step, checkpoint, parent)
             checkpoint = res["checkpoint"]
             tracking.log_metrics(cfg, parent, res["metrics"], step)
             history.append({"step": step, **res["metrics"]})

@@ -43,14 +43,23 @@ def digest(checksums: dict[str, str]) -> str:
     return sha256_bytes(json.dumps(checksums, sort_keys=True).encode())
 
 
+class CorruptArtefact(ValueError):
+    """A stored artefact that is not what was written (bytes or manifest changed). `where` names it (a path or
+    URL), so that a pipeline can drop it and compute it again."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
 def verify_file(path: str | Path, sha256: str | None, what: str = "artefact") -> Path:
     """`path` if it exists and (when `sha256` is given) its bytes hash to it; else a clear error."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} is missing; re-run the stage that writes it")
     if sha256 is not None and sha256_file(path) != sha256:
-        raise ValueError(f"{what} {path} does not match its recorded sha256 (corrupted or overwritten); delete it "
-                         f"and re-run the stage that writes it")
+        raise CorruptArtefact(f"{what} {path} does not match its recorded sha256 (corrupted or overwritten); "
+                              f"delete it and re-run the stage that writes it", str(path))
     return path
 
 

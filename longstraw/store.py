@@ -32,7 +32,7 @@ from torch import nn
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from .files import atomic_output, sha256_bytes, write_bytes
+from .files import CorruptArtefact, atomic_output, sha256_bytes, write_bytes
 from .state import STATE_KINDS, LayerState, PrefixState
 
 FORMAT = "longstraw.prefix_state"
@@ -104,7 +104,8 @@ class _ChecksumStore(WrapperStore):
         if buf is None:
             raise ValueError(f"{self.what} at {self.url}: {what} is missing")
         if sha256_bytes(buf.to_bytes()) != self.sums[key]:
-            raise ValueError(f"{self.what} at {self.url}: {what} is corrupted (sha256 differs from the manifest)")
+            raise CorruptArtefact(f"{self.what} at {self.url}: {what} is corrupted (sha256 differs from the "
+                                  "manifest)", self.url)
         return buf if byte_range is None else await self._store.get(key, prototype, byte_range)
 
     async def get_partial_values(self, prototype, key_ranges):
@@ -219,6 +220,12 @@ def _write_committed(url: str, storage_options: dict | None, write) -> dict:
 def _write_manifest(fs, root: str, manifest: bytes) -> None:
     """The commit marker, written whole: readers never see a partial manifest."""
     write_bytes(f"{root}/{MANIFEST}", manifest, fs)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's whole content (the file checksums and every other field: chunks, meta, ...): what a
+    stage hands on, so that the next one notices any edit of the manifest itself."""
+    return sha256_bytes(json.dumps(manifest, sort_keys=True).encode())
 
 
 def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str, int] = (FORMAT, FORMAT_VERSION),

@@ -22,7 +22,7 @@ from ..data import check_vocab, load_tokenizer
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
 from ..engine.capture import capture
 from ..engine.replay import score
-from ..files import digest
+from ..files import CorruptArtefact
 from ..grpo import group_advantages, token_weights
 from ..grpo.rewards import compute_rewards, get_reward
 from ..memory import PeakMeter
@@ -30,7 +30,8 @@ from ..models import build_model, load_model
 from ..models.checkpoint import read_config
 from ..models.registry import config_from_hf
 from ..rollout import rollout
-from ..store import ROLLOUT_FORMAT, load_state, read_manifest, save_rollout, save_state, weights_version
+from ..store import (ROLLOUT_FORMAT, load_state, manifest_digest, read_manifest, save_rollout, save_state,
+                     weights_version)
 from ..store import load_rollout as store_load_rollout
 from .artifacts import load_json, load_tensors, save_json, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
@@ -119,24 +120,32 @@ def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoc
     url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
-        save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
-                   storage_options=cfg.store.storage_options)
-    return {"url": url, "weights_version": version, "prompt_tokens": prompt.numel(), "state_bytes": state.nbytes,
+        manifest = save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
+                              storage_options=cfg.store.storage_options)
+    return {"url": url, "sha256": manifest_digest(manifest), "weights_version": version,
+            "prompt_tokens": prompt.numel(), "state_bytes": state.nbytes,
             "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
 
 
-def _load_state(cfg: TrainConfig, model: nn.Module, version: str, url: str):
-    return load_state(url, model=model, weights_version=version, storage_options=cfg.store.storage_options)
+def _load_state(cfg: TrainConfig, model: nn.Module, version: str, state: dict | str):
+    """The stored prefix state of a capture stage's result ({url, sha256}: its manifest checked against the
+    digest) or of a bare URL."""
+    url = state if isinstance(state, str) else state["url"]
+    opts = cfg.store.storage_options
+    if not isinstance(state, str) and manifest_digest(read_manifest(url, opts)) != state["sha256"]:
+        raise CorruptArtefact(f"prefix state at {url} is not the one this stage was given (its manifest changed); "
+                              "it is recomputed on the next attempt", url)
+    return load_state(url, model=model, weights_version=version, storage_options=opts)
 
 
-def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, group: int) -> dict:
+def rollout_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, step: int, group: int) -> dict:
     """Sample G answers from the stored prefix state (shared by all branches) and store them."""
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
     tok = load_tokenizer(cfg.tokenizer)
     with PeakMeter() as m:
-        state = _load_state(cfg, model, version, state_url)
-        samples = rollout(model, state, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
+        prefix = _load_state(cfg, model, version, state)
+        samples = rollout(model, prefix, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
                           seed=example_seed(cfg.seed, step, group))
     lengths = [s.tokens.numel() for s in samples]
@@ -144,16 +153,16 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state_url: str, step: int, 
     url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
     manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                             storage_options=cfg.store.storage_options)
-    return {**_ref(url, digest(manifest["checksums"])), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
+    return {**_ref(url, manifest_digest(manifest)), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
             "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
 
 
 def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
     opts = cfg.store.storage_options
-    if digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")["checksums"]) != ref["sha256"]:
-        raise ValueError(f"rollout at {ref['path']} is not the one this stage was given (content hash differs); "
-                         f"re-run its rollout stage")
+    if manifest_digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")) != ref["sha256"]:
+        raise CorruptArtefact(f"rollout at {ref['path']} is not the one this stage was given (its manifest "
+                              "changed); it is recomputed on the next attempt", ref["path"])
     return store_load_rollout(ref["path"], storage_options=opts)
 
 
@@ -195,7 +204,7 @@ def _grad_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def replay_stage(
-    cfg: TrainConfig, checkpoint: str, state_url: str | None, rollout_ref: dict, reward_ref: dict,
+    cfg: TrainConfig, checkpoint: str, state: dict | str | None, rollout_ref: dict, reward_ref: dict,
     reference_ref: dict | None, step: int, group: int, epoch: int, branches: list[int],
 ) -> dict:
     """Replay some branches of a group with autograd; store their parameter gradients and, in exact mode, their
@@ -221,9 +230,9 @@ def replay_stage(
             prompt = _prompt(cfg, step, group, model.config.vocab_size)
             naive_backward(model, prompt, resp, adv, weights, cfg.grpo, old, ref, totals)
         else:
-            state = _load_state(cfg, model, version, state_url)
-            grad = state.grad_buffer() if cfg.mode == "exact" else None
-            replay_backward(model, state, resp, adv, weights, cfg.grpo, old, ref, grad, totals, mode=cfg.mode)
+            prefix = _load_state(cfg, model, version, state)
+            grad = prefix.grad_buffer() if cfg.mode == "exact" else None
+            replay_backward(model, prefix, resp, adv, weights, cfg.grpo, old, ref, grad, totals, mode=cfg.mode)
             for i, g in (grad or {}).items():
                 tensors |= {f"state.{i}.{name}": t for name, t in g.named_tensors().items()}
     tensors |= _grad_tensors(model)
@@ -235,25 +244,25 @@ def replay_stage(
             "tokens_per_s": tokens / max(m.seconds, 1e-9)}
 
 
-def prompt_stage(cfg: TrainConfig, checkpoint: str, state_url: str, replay_refs: list[dict], step: int, group: int,
-                 epoch: int) -> dict:
+def prompt_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, replay_refs: list[dict], step: int,
+                 group: int, epoch: int) -> dict:
     """Exact mode: sum the branches' prefix-state gradients and back-propagate them through the prompt."""
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
     model.zero_grad(set_to_none=True)
     with PeakMeter() as m:
-        state = _load_state(cfg, model, version, state_url)
-        grad = state.grad_buffer()
+        prefix = _load_state(cfg, model, version, state)
+        grad = prefix.grad_buffer()
         for r in replay_refs:  # in branch order, so every run sums the same way
             t = load_tensors(r["path"], r["sha256"])
             for i, g in grad.items():
                 for name, buf in g.named_tensors().items():
                     buf += t[f"state.{i}.{name}"].to(buf)
-        stored_prompt_backward(model, state, grad)
+        stored_prompt_backward(model, prefix, grad)
     path = str(cfg.paths().step(step) / f"prompt-g{group:03d}-e{epoch:02d}.safetensors")
     sha = save_tensors(path, _grad_tensors(model))
     return {**_ref(path, sha), "peak_bytes": m.peak_bytes, "seconds": m.seconds,
-            "tokens_per_s": state.length / max(m.seconds, 1e-9)}
+            "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
 
 
 def optimizer_stage(cfg: TrainConfig, checkpoint: str, grad_refs: list[dict], update: int, step: int) -> dict:

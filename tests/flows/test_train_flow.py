@@ -134,6 +134,32 @@ def test_a_cached_stage_whose_artefact_is_gone_runs_again(tmp_path, counted):
     assert all(torch.equal(again[k], first[k]) for k in first)
 
 
+def test_a_corrupted_state_is_recomputed_not_stuck(tmp_path, counted, monkeypatch):
+    """A state shard corrupted between capture and replay: resume drops it, recomputes the capture (cached, but
+    its artefact is gone) and finishes with the weights of an uninterrupted run."""
+    cfg = config(tmp_path / "run", steps=1)
+    replay = lib.replay_stage
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected replay fault")
+
+    monkeypatch.setattr(lib, "replay_stage", broken)
+    with pytest.raises(Exception, match="injected replay fault"):
+        grpo_train(cfg, progress=False)
+    monkeypatch.setattr(lib, "replay_stage", replay)
+    shard = next(p for p in sorted((tmp_path / "run" / "store" / "states").rglob("*")) if p.is_file() and "/c/" in str(p))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = counted.copy()
+    out = grpo_train(cfg, progress=False)
+    new = counted - before
+    assert new[("capture_stage", 0)] == 1 and new[("rollout_stage", 0)] == 0 and new[("optimizer_stage", 0)] == 1
+    clean = weights(grpo_train(config(tmp_path / "clean", steps=1), progress=False))
+    got = weights(out)
+    assert all(torch.equal(got[k], clean[k]) for k in clean)
+
+
 def test_code_digest_covers_every_library_source(tmp_path):
     """A change deep in the library (the loss), not only in a stage function, changes the digest."""
     import shutil

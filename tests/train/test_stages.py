@@ -3,6 +3,7 @@ the optimizer stage equals a hand-written AdamW step, and what they store is ver
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -128,6 +129,26 @@ def test_corrupted_artefacts_are_refused(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="model.safetensors does not match"):
         stages.capture_stage(cfg, init["checkpoint"], step=0, group=0, epoch=0)
+
+
+def test_edited_manifests_are_refused(tmp_path):
+    """A manifest's own fields (a state's chunks, a rollout's texts) are covered by the digest a stage hands on:
+    an edit is refused by the next stage, as corruption it can recompute."""
+    from longstraw.files import CorruptArtefact
+
+    cfg = make_cfg(tmp_path)
+    init, cap, roll, rew = step_group(cfg)
+    state = {"url": cap["url"], "sha256": cap["sha256"]}
+    stages.replay_stage(cfg, init["checkpoint"], state, roll, rew, None, 0, 0, 0, [0])  # as written: fine
+    for path, edit in ((Path(roll["path"]) / "manifest.json", lambda m: m["meta"]["texts"].reverse()),
+                       (Path(cap["url"]) / "manifest.json", lambda m: m["chunks"].pop())):
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+    with pytest.raises(CorruptArtefact, match="rollout at .* is not the one this stage was given"):
+        stages.reward_stage(cfg, roll, 0, 0)
+    with pytest.raises(CorruptArtefact, match="prefix state at .* is not the one this stage was given"):
+        stages.prompt_stage(cfg, init["checkpoint"], state, [], 0, 0, 0)
 
 
 def test_state_from_other_weights_is_refused(tmp_path):
