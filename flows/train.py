@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 from fsspec.core import url_to_fs
@@ -29,13 +30,13 @@ from tasks.stages import configured
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _run_all(name: str, cfg: TrainConfig, parent: str | None, calls: list[dict]) -> list[dict]:
-    """Submit one task per argument dict (they run concurrently), then wait for all, in order. A result whose
-    artefact is gone (a cached stage whose checkpoint, file or stored state was deleted since) runs again."""
+def _run_all(name: str, calls: list[dict], *, cfg: TrainConfig, parent: str | None, check: bool = True) -> list[dict]:
+    """Submit one task per argument dict (they run concurrently), then wait for all, in order. With `check`, a
+    result whose artefact is gone (a cached stage whose checkpoint, file or stored state was deleted) runs again."""
     t = configured(name, cfg)
     config = cfg.model_dump(mode="json")
     results = [f.result() for f in [t.submit(config, args, parent) for args in calls]]
-    redo = [i for i, r in enumerate(results) if missing_artefacts(r)]
+    redo = [i for i, r in enumerate(results) if check and missing_artefacts(r)]
     if redo:
         get_run_logger().warning("%s: %d cached results name artefacts that are gone (%s); computing them again",
                                  name, len(redo), missing_artefacts(results[redo[0]])[0])
@@ -54,44 +55,47 @@ def _mean(xs: list[float]) -> float:
 
 
 @flow(name="grpo-step", flow_run_name="step-{step}")
-def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | None = None) -> dict:
+def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | None = None, recover: bool = False
+              ) -> dict:
     """One GRPO step: capture -> rollout -> (reference) -> reward -> replay (per branch) -> (prompt backward)
-    -> optimizer step + checkpoint, once per epoch."""
+    -> optimizer step + checkpoint, once per epoch. `recover`: the step was committed but its record was lost;
+    its results come from the cache as they are (its gradient files were deleted after the commit)."""
     cfg = TrainConfig.model_validate(config)
     t0 = time.perf_counter()
     groups = range(cfg.groups)
     parent = parent_run_id
+    run = partial(_run_all, cfg=cfg, parent=parent, check=not recover)
     update = step * cfg.epochs
-    caps = _run_all("capture_stage", cfg, parent, [
+    caps = run("capture_stage", [
         dict(checkpoint=checkpoint, step=step, group=g, epoch=0) for g in groups])
-    rolls = _run_all("rollout_stage", cfg, parent, [
+    rolls = run("rollout_stage", [
         dict(checkpoint=checkpoint, state=_state(caps[g]), step=step, group=g) for g in groups])
     refs: list[dict | None] = [None] * cfg.groups
     if cfg.grpo.kl_coef > 0:
         ref_ckpt = str(cfg.paths().checkpoint(0))
-        refs = _run_all("reference_stage", cfg, parent, [
+        refs = run("reference_stage", [
             dict(ref_checkpoint=ref_ckpt, rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
-    rews = _run_all("reward_stage", cfg, parent, [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
+    rews = run("reward_stage", [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
 
     replays: list[dict] = []
     opt: dict = {}
     for epoch in range(cfg.epochs):
         if epoch > 0:  # the weights changed: the prefix state must be recaptured with them
-            caps = _run_all("capture_stage", cfg, parent, [
+            caps = run("capture_stage", [
                 dict(checkpoint=checkpoint, step=step, group=g, epoch=epoch) for g in groups])
         calls = [dict(checkpoint=checkpoint, state=_state(caps[g]), rollout_ref=_ref(rolls[g]),
                       reward_ref=_ref(rews[g]), reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch,
                       branches=b)
                  for g in groups for b in _slices(cfg.responses, cfg.pipeline.branches_per_task)]
-        replays = _run_all("replay_stage", cfg, parent, calls)
+        replays = run("replay_stage", calls)
         grads = [_ref(r) for r in replays]
         if cfg.mode == "exact":
             per_group = [[_ref(r) for r, c in zip(replays, calls) if c["group"] == g] for g in groups]
-            prompts = _run_all("prompt_stage", cfg, parent, [
+            prompts = run("prompt_stage", [
                 dict(checkpoint=checkpoint, state=_state(caps[g]), replay_refs=per_group[g], step=step, group=g,
                      epoch=epoch) for g in groups])
             grads += [_ref(p) for p in prompts]
-        (opt,) = _run_all("optimizer_stage", cfg, parent, [
+        (opt,) = run("optimizer_stage", [
             dict(checkpoint=checkpoint, grad_refs=grads, update=update + epoch, step=step)])
         checkpoint = opt["checkpoint"]
         if not cfg.pipeline.keep_gradients:  # committed into the checkpoint; a resume starts from there
@@ -168,7 +172,8 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     preflight(cfg)  # bad rewards, tasks, options and lengths fail here, before anything is written
     save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
     code, code_path = code_digest(), run_dir / "code.json"
-    if code_path.is_file() and (was := load_json(code_path).get("code")) != code:
+    changed = code_path.is_file() and (was := load_json(code_path).get("code")) != code
+    if changed:
         logger.warning("the library changed since this run last ran (%s -> %s): stages that completed with the old "
                        "code are computed again (cache keys include the code digest)", was, code)
     save_json(code_path, {"code": code})
@@ -182,18 +187,31 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     history_path, history = _history(cfg)
     history = [h for h in history if h["step"] < start]
     step_flow = grpo_step.with_options(task_runner=ThreadPoolTaskRunner(max_workers=cfg.pipeline.replay_concurrency))
+
+    def record(step: int, res: dict) -> None:
+        tracking.log_metrics(cfg, parent, res["metrics"], step)
+        history.append({"step": step, **res["metrics"]})
+        history.sort(key=lambda h: h["step"])
+        save_json(history_path, history)
+        m = res["metrics"]
+        logger.info("step %d: reward %.3f (accuracy %.3f), loss %.4f, grad norm %.3f, %.1f s", step,
+                    m["reward_mean"], m["accuracy"], m["loss"], m["grad_norm"], m["step_seconds"])
+
     status = "FAILED"
     try:
+        # a kill between a step's checkpoint commit and its record: the record comes back from the cached results
+        for step in sorted(set(range(start)) - {h["step"] for h in history}):
+            first = cfg.paths().checkpoint(step * cfg.epochs)
+            if changed or not first.is_dir():  # recomputing would rewrite a committed checkpoint
+                logger.warning("step %d is committed but has no record, and cannot be recovered (%s)", step,
+                               "the library changed" if changed else f"{first} is gone")
+                continue
+            record(step, step_flow(cfg.model_dump(mode="json"), step, str(first), parent, recover=True))
         for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
                          initial=start, total=cfg.steps):
             res = _step_dropping_corrupt(step_flow, cfg, step, checkpoint, parent)
             checkpoint = res["checkpoint"]
-            tracking.log_metrics(cfg, parent, res["metrics"], step)
-            history.append({"step": step, **res["metrics"]})
-            save_json(history_path, history)
-            m = res["metrics"]
-            logger.info("step %d: reward %.3f (accuracy %.3f), loss %.4f, grad norm %.3f, %.1f s", step,
-                        m["reward_mean"], m["accuracy"], m["loss"], m["grad_norm"], m["step_seconds"])
+            record(step, res)
         status = "FINISHED"
     finally:
         if history:

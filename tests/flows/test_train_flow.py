@@ -160,6 +160,32 @@ def test_a_corrupted_state_is_recomputed_not_stuck(tmp_path, counted, monkeypatc
     assert all(torch.equal(got[k], clean[k]) for k in clean)
 
 
+def test_a_kill_after_the_commit_keeps_the_steps_record(tmp_path, counted, monkeypatch):
+    """Killed between a step's checkpoint commit and its record (history, MLflow): resume records the step from
+    its cached results, recomputing nothing."""
+    from tasks import tracking
+
+    cfg = config(tmp_path / "run", steps=1)
+    log = tracking.log_metrics
+
+    def killed(c, run_id, metrics, step):
+        if "step_seconds" in metrics:  # the step's record, after the optimizer committed its checkpoint
+            raise KeyboardInterrupt("killed")
+        return log(c, run_id, metrics, step)
+
+    monkeypatch.setattr(tracking, "log_metrics", killed)
+    with pytest.raises(BaseException, match="killed"):
+        grpo_train(cfg, progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "update-000001").is_dir()
+    assert not (tmp_path / "run" / "history.json").exists()
+    monkeypatch.setattr(tracking, "log_metrics", log)
+    before = counted.copy()
+    out = grpo_train(cfg, progress=False)
+    assert not (counted - before)  # nothing recomputed
+    assert [h["step"] for h in out["history"]] == [0] and out["history"][0]["grad_norm"] > 0
+    assert [h["step"] for h in json.loads((tmp_path / "run" / "history.json").read_text())] == [0]
+
+
 def test_code_digest_covers_every_library_source(tmp_path):
     """A change deep in the library (the loss), not only in a stage function, changes the digest."""
     import shutil
