@@ -10,7 +10,11 @@ Layout at `url` (a local path or any fsspec URL, e.g. ``s3://bucket/run/step-3/s
     manifest.json                        written last, the commit marker: a state without it does not exist
 
 Per-token arrays are chunked along the token axis by `shard_tokens`; each chunk file is a *shard*, written whole
-by one call and checksummed (sha256 of the bytes handed to storage) in the manifest, with the zarr metadata files.
+by one call and checksummed (crc32c of the bytes handed to storage) in the manifest, with the zarr metadata files.
+crc32c, not sha256: it guards against corruption (torn writes, bit rot, truncation), not forgery, and it is 5x
+faster (`bench/hashes.py`: 5.1 against 1.0 GB/s on one core), which at 2.1M tokens is 3 s instead of 18 s for
+each rank's 17 GB shard of a 27B hybrid's state, on every read. What a stage hands to the next is
+`manifest_digest`, a sha256 over the whole manifest (these checksums included).
 bf16 (and fp8) tensors are stored as their unsigned-integer view, with the torch dtype in the array's attribute
 `torch_dtype`; other dtypes natively. Chunks are zstd-compressed (zarr's default), which also makes the padding of
 the last, partial shard cost next to nothing. The exact mode's boundary states (`PrefixState.boundaries`) are
@@ -24,6 +28,7 @@ import json
 from collections.abc import Iterable
 
 import fsspec
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -36,7 +41,7 @@ from .files import CorruptArtefact, atomic_output, sha256_bytes, write_bytes
 from .state import STATE_KINDS, LayerState, PrefixState
 
 FORMAT = "longstraw.prefix_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shard checksums crc32c (1: sha256)
 MANIFEST = "manifest.json"
 _UINT_VIEW = {torch.bfloat16: torch.uint16}
 _UINT_VIEW.update({getattr(torch, n): torch.uint8 for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)})
@@ -73,8 +78,12 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _checksum(data: bytes) -> str:
+    return f"{google_crc32c.value(data):08x}"
+
+
 class _ChecksumStore(WrapperStore):
-    """Records the sha256 of every file written; on read, verifies the files the manifest lists before use."""
+    """Records the crc32c of every file written; on read, verifies the files the manifest lists before use."""
 
     def __init__(self, store: Store, sums: dict[str, str], url: str, verify: bool = False,
                  what: str = "prefix state") -> None:
@@ -85,7 +94,7 @@ class _ChecksumStore(WrapperStore):
         return type(self)(store, self.sums, self.url, self.verify, self.what)
 
     async def set(self, key, value) -> None:
-        self.sums[key] = sha256_bytes(value.to_bytes())
+        self.sums[key] = _checksum(value.to_bytes())
         await self._store.set(key, value)
 
     async def set_if_not_exists(self, key, value) -> None:
@@ -103,8 +112,8 @@ class _ChecksumStore(WrapperStore):
         what = f"{'shard' if '/c/' in key else 'metadata file'} {key!r}"
         if buf is None:
             raise ValueError(f"{self.what} at {self.url}: {what} is missing")
-        if sha256_bytes(buf.to_bytes()) != self.sums[key]:
-            raise CorruptArtefact(f"{self.what} at {self.url}: {what} is corrupted (sha256 differs from the "
+        if _checksum(buf.to_bytes()) != self.sums[key]:
+            raise CorruptArtefact(f"{self.what} at {self.url}: {what} is corrupted (crc32c differs from the "
                                   "manifest)", self.url)
         return buf if byte_range is None else await self._store.get(key, prototype, byte_range)
 
@@ -305,7 +314,7 @@ def load_state(
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------
 
-ROLLOUT_FORMAT = ("longstraw.rollout", 1)
+ROLLOUT_FORMAT = ("longstraw.rollout", 2)
 
 
 def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.Tensor], meta: dict, *,

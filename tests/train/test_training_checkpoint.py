@@ -40,3 +40,27 @@ def test_restores_rng_and_refuses_unknown_format(tmp_path):
     (d / "trainer.json").write_text((d / "trainer.json").read_text().replace(ck.FORMAT, "other/9"))
     with pytest.raises(ValueError, match="unknown checkpoint format"):
         ck.read_trainer(d)
+
+
+def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, monkeypatch):
+    model = tiny_model()
+    d = ck.save_checkpoint(tmp_path / "update-000000", model, build_optimizer(model, OptimConfig()), update=0, step=0,
+                           extra={"weights_version": "v0"})
+    hashed = []
+    real = ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    ck._VERIFIED.clear()
+    ck.read_trainer(d)
+    files = len(hashed)
+    assert files >= 2 and "model.safetensors" in hashed
+    ck.read_trainer(d)
+    assert len(hashed) == files  # verified already: not hashed again
+    weights = d / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors does not match its sha256"):
+        ck.read_trainer(d)
+    weights.unlink()
+    with pytest.raises(ValueError, match="model.safetensors is missing"):
+        ck.read_trainer(d)
