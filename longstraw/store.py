@@ -12,7 +12,7 @@ Layout at `url` (a local path or any fsspec URL, e.g. ``s3://bucket/run/step-3/s
 Per-token arrays are chunked along the token axis by `shard_tokens`; each chunk file is a *shard*, written whole
 by one call and checksummed (crc32c of the bytes handed to storage) in the manifest, with the zarr metadata files.
 crc32c, not sha256: it guards against corruption (torn writes, bit rot, truncation), not forgery, and it is 5x
-faster (`bench/hashes.py`: 5.1 against 1.0 GB/s on one core), which at 2.1M tokens is 3 s instead of 18 s for
+faster (`bench/hashes.py`: 4.7 against 0.96 GB/s on one core), which at 2.1M tokens is 4 s instead of 18 s for
 each rank's 17 GB shard of a 27B hybrid's state, on every read. What a stage hands to the next is
 `manifest_digest`, a sha256 over the whole manifest (these checksums included).
 bf16 (and fp8) tensors are stored as their unsigned-integer view, with the torch dtype in the array's attribute
