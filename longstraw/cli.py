@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
@@ -149,6 +150,13 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError, RunDirLocked) as e:
         print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"longstraw {args.command}: error: no space left on the device holding {e.filename or 'an output'}; "
+              "what was committed before is intact: free some space, then `longstraw resume <run dir>`",
+              file=sys.stderr)
         return 2
 
 
