@@ -14,7 +14,7 @@ def test_a_full_disk_is_one_clear_line(monkeypatch, capsys, tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt"))
 
     monkeypatch.setattr(cli, "_state_size", full)
-    assert cli.main(["state-size", "--config", "x"]) == 2
+    assert cli.main(["state-size", "--config", "x", "--tokens", "8"]) == 2
     err = capsys.readouterr().err
     assert "no space left on the device holding" in err and "ckpt" in err and "longstraw resume" in err
 
@@ -23,4 +23,4 @@ def test_a_full_disk_is_one_clear_line(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(cli, "_state_size", other)
     with pytest.raises(PermissionError):  # not a disk-full: not dressed up as one
-        cli.main(["state-size", "--config", "x"])
+        cli.main(["state-size", "--config", "x", "--tokens", "8"])
