@@ -172,8 +172,10 @@ def save_state(
     weights_version: str,
     shard_tokens: int = 65536,
     storage_options: dict | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """Store `state` at `url` and return its manifest.
+    """Store `state` at `url` and return its manifest (with `extra`, JSON-able, e.g. the prompt's example: what
+    later stages would otherwise regenerate).
 
     Everything is written under a temporary sibling name (`.{name}.tmp-*`), moved into place, and only then
     `manifest.json` is written there as the commit marker. A writer that dies leaves nothing committed at `url`.
@@ -204,6 +206,7 @@ def save_state(
             "prompt_ids": prompt,
             "chunks": [list(c) for c in state.chunks],
             "layers": layers,
+            "extra": extra or {},
         }
 
     return _write_committed(url, storage_options, write)

@@ -18,7 +18,7 @@ from fsspec.core import url_to_fs
 from torch import nn
 
 from ..config import torch_dtype
-from ..data import check_vocab, load_tokenizer
+from ..data import Example, check_vocab, load_tokenizer
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
 from ..engine.capture import capture
 from ..engine.replay import score
@@ -55,11 +55,22 @@ def _policy(cfg: TrainConfig, checkpoint: str) -> tuple[nn.Module, str]:
     return model, meta["weights_version"]
 
 
-def _prompt(cfg: TrainConfig, step: int, group: int, vocab: int) -> torch.Tensor:
+def _prompt(cfg: TrainConfig, step: int, group: int, vocab: int) -> tuple[torch.Tensor, Example]:
     tok = load_tokenizer(cfg.tokenizer)
-    ids = prompt_ids(tok, step_example(cfg, tok, step, group))
+    ex = step_example(cfg, tok, step, group)
+    ids = prompt_ids(tok, ex)
     check_vocab(ids, vocab, f"prompt of step {step} group {group}")
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long), ex
+
+
+def _example_record(ex: Example) -> dict:
+    return {"answer": ex.answer, "meta": ex.meta}
+
+
+def _stored_example(cfg: TrainConfig, state: dict | str) -> dict | None:
+    """The example the capture stage stored with the state (None for a state stored without one)."""
+    url = state if isinstance(state, str) else state["url"]
+    return read_manifest(url, cfg.store.storage_options).get("extra", {}).get("example")
 
 
 def _ref(path: str, sha: str) -> dict:
@@ -116,12 +127,13 @@ def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoc
     """Capture the group's prompt with the checkpoint's weights and commit its prefix state to the store."""
     _setup(cfg)
     model, version = _policy(cfg, checkpoint)
-    prompt = _prompt(cfg, step, group, model.config.vocab_size)
+    prompt, ex = _prompt(cfg, step, group, model.config.vocab_size)
     url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
+        # the example goes with the state: the reward reads its answer from there instead of regenerating it
         manifest = save_state(state, url, weights_version=version, shard_tokens=cfg.store.shard_tokens,
-                              storage_options=cfg.store.storage_options)
+                              storage_options=cfg.store.storage_options, extra={"example": _example_record(ex)})
     return {"url": url, "sha256": manifest_digest(manifest), "weights_version": version,
             "prompt_tokens": prompt.numel(), "state_bytes": state.nbytes,
             "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
@@ -149,12 +161,13 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, step: in
                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
                           seed=example_seed(cfg.seed, step, group))
     lengths = [s.tokens.numel() for s in samples]
-    meta = {"finish_reasons": [s.finish_reason for s in samples], "texts": [tok.decode(s.tokens.tolist()) for s in samples]}
+    meta = {"finish_reasons": [s.finish_reason for s in samples],
+            "texts": [tok.decode(s.tokens.tolist()) for s in samples], "example": _stored_example(cfg, state)}
     url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
     manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                             storage_options=cfg.store.storage_options)
-    return {**_ref(url, manifest_digest(manifest)), "responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
-            "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
+    return {**_ref(url, manifest_digest(manifest)), "responses": len(samples),
+            "response_len_mean": sum(lengths) / len(lengths), "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
 
 
 def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
@@ -170,7 +183,7 @@ def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, st
     """Log-probs of the sampled answers under the frozen initial weights (for the KL term)."""
     _setup(cfg)
     model, _ = _policy(cfg, ref_checkpoint)
-    prompt = _prompt(cfg, step, group, model.config.vocab_size)
+    prompt, _ = _prompt(cfg, step, group, model.config.vocab_size)
     responses, _, _ = load_rollout(cfg, rollout_ref)
     with PeakMeter() as m:
         state = capture(model, prompt, cfg.grpo.prompt_chunk)
@@ -183,9 +196,10 @@ def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, st
 def reward_stage(cfg: TrainConfig, rollout_ref: dict, step: int, group: int) -> dict:
     """Score the answers with the reward function and turn them into group advantages."""
     t0 = time.perf_counter()
-    ex = step_example(cfg, load_tokenizer(cfg.tokenizer), step, group)
-    prompt_meta = ex.meta | {"answer": ex.answer}
     _, _, meta = load_rollout(cfg, rollout_ref)
+    if (ex := meta.get("example")) is None:  # a rollout stored without its example
+        ex = _example_record(step_example(cfg, load_tokenizer(cfg.tokenizer), step, group))
+    prompt_meta = ex["meta"] | {"answer": ex["answer"]}
     fn = get_reward(cfg.reward or cfg.task)
     rewards, failed = compute_rewards(fn, [prompt_meta] * len(meta["texts"]), meta["texts"])
     adv = group_advantages(rewards, scale=cfg.scale_advantages).tolist()
@@ -227,7 +241,7 @@ def replay_stage(
     model.zero_grad(set_to_none=True)
     with PeakMeter() as m:
         if cfg.mode == "naive":
-            prompt = _prompt(cfg, step, group, model.config.vocab_size)
+            prompt, _ = _prompt(cfg, step, group, model.config.vocab_size)
             naive_backward(model, prompt, resp, adv, weights, cfg.grpo, old, ref, totals)
         else:
             prefix = _load_state(cfg, model, version, state)

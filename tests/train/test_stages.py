@@ -12,7 +12,8 @@ import torch
 
 import longstraw as ls
 from longstraw.train import stages
-from longstraw.train.artifacts import load_tensors, save_json
+from longstraw.grpo.rewards import get_reward
+from longstraw.train.artifacts import load_json, load_tensors, save_json
 from longstraw.train.checkpoint import load_checkpoint, read_trainer
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import prompt_ids, step_example
@@ -129,6 +130,24 @@ def test_corrupted_artefacts_are_refused(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="model.safetensors does not match"):
         stages.capture_stage(cfg, init["checkpoint"], step=0, group=0, epoch=0)
+
+
+def test_the_prompt_is_made_once_per_step(tmp_path, monkeypatch):
+    """The capture stage makes the example; the state stores it, the rollout carries it to the reward, which
+    scores with it instead of making the prompt again."""
+    cfg = make_cfg(tmp_path)
+    made = []
+    real = stages.step_example
+    monkeypatch.setattr(stages, "step_example", lambda *a: made.append(a[2:]) or real(*a))
+    init = stages.init_run(cfg)
+    cap = stages.capture_stage(cfg, init["checkpoint"], step=0, group=0, epoch=0)
+    roll = stages.rollout_stage(cfg, init["checkpoint"], {"url": cap["url"], "sha256": cap["sha256"]}, 0, 0)
+    rew = stages.reward_stage(cfg, roll, 0, 0)
+    assert made == [(0, 0)]
+    ex = real(cfg, load_tokenizer(cfg.tokenizer), 0, 0)
+    texts = json.loads((Path(roll["path"]) / "manifest.json").read_text())["meta"]["texts"]
+    fn = get_reward(cfg.task)
+    assert load_json(rew["path"], rew["sha256"])["rewards"] == [fn(ex.meta | {"answer": ex.answer}, t) for t in texts]
 
 
 def test_edited_manifests_are_refused(tmp_path):
