@@ -11,7 +11,6 @@ The prompt runs once per step for the policy: the rollout samples from the captu
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from fsspec.core import url_to_fs
@@ -80,12 +79,14 @@ def _ref(path: str, sha: str) -> dict:
 # ---- run set-up ---------------------------------------------------------------------------------------------
 
 def missing_artefacts(out: dict) -> list[str]:
-    """The artefacts a stage's result names (`checkpoint`, `path`, `url`) that are not there (any more)."""
-    gone = [out[k] for k in ("checkpoint", "path") if k in out and not Path(out[k]).exists()]
-    if "url" in out:
-        fs, where = url_to_fs(out["url"])
-        if not fs.exists(where):
-            gone.append(out["url"])
+    """The artefacts a stage's result names (`checkpoint`, `path`, `url`: local paths or fsspec URLs, e.g. a
+    rollout in an s3 store) that are not there (any more)."""
+    gone = []
+    for key in ("checkpoint", "path", "url"):
+        if key in out:
+            fs, where = url_to_fs(out[key])
+            if not fs.exists(where):
+                gone.append(out[key])
     return gone
 
 
