@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -107,6 +108,16 @@ def atomic_output(target: str | Path, *, fs: fsspec.AbstractFileSystem | None = 
         if fs.exists(tmp):
             fs.rm(tmp, recursive=True)
         raise
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[str]:
+    """Delete the temporaries (`.{name}.tmp-*`) that writers killed mid-write left in a local `directory`; only for
+    a caller that holds it exclusively (the run-directory lock). Returns their names."""
+    d = Path(directory)
+    stale = sorted(d.glob(".*.tmp-*")) if d.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return [p.name for p in stale]
 
 
 def _move(fs, src: str, dst: str) -> None:

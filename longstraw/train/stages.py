@@ -21,7 +21,7 @@ from ..data import Example, check_vocab, load_tokenizer
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
 from ..engine.capture import capture
 from ..engine.replay import score
-from ..files import CorruptArtefact
+from ..files import CorruptArtefact, remove_stale_temporaries
 from ..grpo import group_advantages, token_weights
 from ..grpo.rewards import compute_rewards, get_reward
 from ..memory import PeakMeter
@@ -109,6 +109,7 @@ def init_run(cfg: TrainConfig) -> dict:
     """The checkpoint to continue from: the run's latest, or update 0 made from the configured model."""
     _setup(cfg)
     paths = cfg.paths()
+    remove_stale_temporaries(paths.checkpoints)  # a kill mid-commit leaves one; the run lock makes this safe
     latest = latest_checkpoint(paths.checkpoints)
     if latest is None:
         torch.manual_seed(cfg.seed)
