@@ -169,7 +169,8 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, step: in
     manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                             storage_options=cfg.store.storage_options)
     return {**_ref(url, manifest_digest(manifest)), "responses": len(samples),
-            "response_len_mean": sum(lengths) / len(lengths), "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
+            "response_len_mean": sum(lengths) / len(lengths), "peak_bytes": m.peak_bytes, "seconds": m.seconds,
+            "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
 
 
 def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
