@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..files import atomic_output, file_checksums, sha256_file
+from ..files import atomic_output, digest, file_checksums, sha256_file
 from ..models import load_model, write_weights
 from .artifacts import load_tensors
 
@@ -50,10 +50,13 @@ def save_checkpoint(
             "step": step,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "python_rng": _jsonable(random.getstate()),
-            "files": file_checksums(tmp),
+            "files": (files := file_checksums(tmp)),
+            # the weights' content hash from the checksums just taken, not another pass over 54 GB of tensors
+            "weights_version": digest({n: h for n, h in files.items() if "/" not in n}),
             **extra,
         }
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))  # last: it lists the others
+    _VERIFIED[final.resolve()] = _stamp(final, [*files, "trainer.json"])  # these bytes were hashed as written
     return final
 
 

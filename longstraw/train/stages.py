@@ -29,8 +29,7 @@ from ..models import build_model, load_model
 from ..models.checkpoint import read_config
 from ..models.registry import config_from_hf
 from ..rollout import rollout
-from ..store import (ROLLOUT_FORMAT, load_state, manifest_digest, read_manifest, save_rollout, save_state,
-                     weights_version)
+from ..store import ROLLOUT_FORMAT, load_state, manifest_digest, read_manifest, save_rollout, save_state
 from ..store import load_rollout as store_load_rollout
 from .artifacts import load_json, load_tensors, save_json, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
@@ -117,8 +116,7 @@ def init_run(cfg: TrainConfig) -> dict:
         model = load_model(cfg.model.path, dtype=dtype) if cfg.model.path else build_model(cfg.model.random, dtype)
         tok = load_tokenizer(cfg.tokenizer)
         check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
-        latest = save_checkpoint(paths.checkpoint(0), model, build_optimizer(model, cfg.optim), update=0, step=0,
-                                 extra={"weights_version": weights_version(model)})
+        latest = save_checkpoint(paths.checkpoint(0), model, build_optimizer(model, cfg.optim), update=0, step=0, extra={})
     meta = read_trainer(latest)
     return {"checkpoint": str(latest), "update": meta["update"], "weights_version": meta["weights_version"]}
 
@@ -296,8 +294,8 @@ def optimizer_stage(cfg: TrainConfig, checkpoint: str, grad_refs: list[dict], up
             p = params[key.removeprefix("param.")]
             p.grad = g.to(p).clone() if p.grad is None else p.grad.add_(g.to(p))
     stats = optimizer_step(model, optimizer, cfg.optim, update, cfg.updates)
-    version = weights_version(model)
     out = save_checkpoint(cfg.paths().checkpoint(update + 1), model, optimizer, update=update + 1, step=step,
-                          extra={"weights_version": version})
+                          extra={"skipped_update": bool(stats["skipped"])})
+    version = read_trainer(out)["weights_version"]  # verified as it was written: no second pass
     return {"checkpoint": str(out), "update": update + 1, "weights_version": version, **stats,
             "seconds": time.perf_counter() - t0}

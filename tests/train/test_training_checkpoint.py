@@ -64,3 +64,21 @@ def test_a_checkpoint_is_hashed_once_per_process_until_a_file_changes(tmp_path, 
     weights.unlink()
     with pytest.raises(ValueError, match="model.safetensors is missing"):
         ck.read_trainer(d)
+
+
+def test_a_written_checkpoint_is_not_hashed_again_and_names_its_weights(tmp_path, monkeypatch):
+    """The writer hashes the files as it writes them: reading the checkpoint back in the same process hashes
+    nothing, and `weights_version` (from those checksums) follows the weights, not the optimizer state."""
+    hashed = []
+    real = ck.sha256_file
+    a = tiny_model(seed=0)
+    opt = build_optimizer(a, OptimConfig())
+    one = ck.save_checkpoint(tmp_path / "a", a, opt, update=0, step=0, extra={})
+    monkeypatch.setattr(ck, "sha256_file", lambda p: hashed.append(p) or real(p))
+    meta = ck.read_trainer(one)
+    assert hashed == []
+    same = ck.save_checkpoint(tmp_path / "b", tiny_model(seed=0), build_optimizer(a, OptimConfig(lr=1.0)), update=3,
+                              step=1, extra={})
+    other = ck.save_checkpoint(tmp_path / "c", tiny_model(seed=1), opt, update=0, step=0, extra={})
+    assert ck.read_trainer(same)["weights_version"] == meta["weights_version"]
+    assert ck.read_trainer(other)["weights_version"] != meta["weights_version"]
