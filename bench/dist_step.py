@@ -36,7 +36,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import longstraw as ls
     from longstraw.memory import current_bytes, peak_bytes, release_freed, reset_peak
-    from longstraw.parallel import SequenceParallel, shard_model
+    from longstraw.parallel import SequenceParallel, full_tensor, local_shard, shard_model
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -45,9 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     model = ls.build_model(ARCHS[args.arch](args.P + args.R + 8))
     if args.zero[0]:  # a worker runs one stage
         shard_model(model, args.zero[0], sp)
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    param_bytes = sum(local(p).nelement() * p.element_size() for p in model.parameters())
+    param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (args.P,), generator=gen)
@@ -64,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", config=cfg, parallel=sp)
     wall = time.perf_counter() - t0
-    grad = torch.cat([full(p.grad).flatten() for p in model.parameters()])
+    grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])
     out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,
            "state_bytes": stats["state_bytes"], "peak_state_bytes": stats["peak_state_bytes"],
            "bytes_communicated": sp.bytes_communicated, "param_bytes": param_bytes, "grad_norm": float(grad.norm()),

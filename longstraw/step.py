@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor
 
 from .config import StepConfig, torch_dtype
 from .engine.backward import grpo_backward
 from .memory import PeakMeter
 from .models import build_model, load_model
-from .parallel import SequenceParallel, shard_model
+from .parallel import SequenceParallel, full_tensor, local_shard, shard_model
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -46,7 +45,7 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
     model = load_model(spec.path, dtype=dtype, device=device) if spec.path else build_model(spec.random, dtype, device)
     if parallel is not None and cfg.zero_stage:
         shard_model(model, cfg.zero_stage, parallel)
-    param_bytes = sum(_local(p).nelement() * p.element_size() for p in model.parameters())
+    param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
     prompt, responses, adv = synthetic_group(cfg, model.config.vocab_size)
     results, grads = [], {}
     for mode in modes:
@@ -55,18 +54,9 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
             stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress,
                                   parallel=parallel)
         stats["peak_rss_bytes"], stats["param_bytes"] = meter.peak_bytes, param_bytes
-        grads[mode] = torch.cat([_full(p.grad).flatten().double().cpu() for p in model.parameters() if p.grad is not None])
+        grads[mode] = torch.cat([full_tensor(p.grad).flatten().double().cpu() for p in model.parameters() if p.grad is not None])
         results.append(stats)
     return results, grads
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for FSDP's sharded ones)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _errors(results: list[dict], grads: dict[str, torch.Tensor], reference, key: str) -> None:

@@ -37,9 +37,10 @@ from __future__ import annotations
 import warnings
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 from .sequence import SequenceParallel
 
@@ -50,6 +51,16 @@ MODEL_METHODS = ("emit_states",)
 # The capture methods return the emitted state's tensors, some of them views (a transposed K/V). The engine
 # never writes into them in place, which is what FSDP warns about.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a sharded (FSDP) tensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole of a sharded tensor on every rank (a collective: all ranks must call it); others as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
-from ..parallel import is_sharded
+from ..parallel import full_tensor, is_sharded, local_shard
 from .config import OptimConfig
 
 
@@ -38,10 +37,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if cfg.zero_stage == 1:
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def lr_at(update: int, total: int, cfg: OptimConfig) -> float:
@@ -70,7 +65,7 @@ def optimizer_step(
         raise RuntimeError("optimizer_step: no parameter has a gradient; run the replay/backward stages first")
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded (FSDP): the global norm
+    norm = float(full_tensor(norm))  # sharded (FSDP): the global norm
     lr = lr_at(update, total, cfg)
     if not math.isfinite(norm):  # every rank sees the same global norm, so all skip together
         optimizer.zero_grad(set_to_none=True)
@@ -81,9 +76,9 @@ def optimizer_step(
         g["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(_local(p)).all())]
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(local_shard(p)).all())]
     if is_sharded(model):  # each rank checks its own shards; all must raise together
-        count = torch.tensor([len(bad)], device=_local(params[0]).device)
+        count = torch.tensor([len(bad)], device=local_shard(params[0]).device)
         dist.all_reduce(count)
         bad = bad or ([] if int(count) == 0 else ["(on another rank)"])
     if bad:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 import longstraw as ls
-from longstraw.parallel import SequenceParallel, shard_model
+from longstraw.parallel import SequenceParallel, full_tensor, local_shard, shard_model
 from longstraw.train.config import OptimConfig
 from longstraw.train.optim import build_optimizer, optimizer_step
 from tests.conftest import GLM, rel_err, tiny_model
@@ -23,14 +22,6 @@ from tests.parallel.test_sequence_parallel import ADV, CHUNK, group
 
 ADV4 = ADV + [0.4]
 OPTIM = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _build(arch: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -70,11 +61,11 @@ def zero_rank(rank: int, world: int, arch: str, stage: int, dp: int, dtype: str,
         ls.grpo_backward(m, prompt, responses, ADV4, config=ls.GRPOConfig(prompt_chunk=CHUNK), parallel=sp)
         if twin:
             for p, q in zip(m.parameters(), ref.parameters()):
-                q.grad = _full(p.grad).clone()
+                q.grad = full_tensor(p.grad).clone()
             out[f"ref_norm.{update}"] = torch.tensor(optimizer_step(ref, ref_opt, OptimConfig(**OPTIM), update, 2)["grad_norm"])
         out[f"norm.{update}"] = torch.tensor(optimizer_step(m, opt, cfg, update, 2)["grad_norm"])
-    out |= {"weights": torch.cat([_full(p.detach()).flatten() for p in m.parameters()]),
-            "moments": torch.tensor(_moments(opt)), "params_here": torch.tensor(sum(_local(p).numel() for p in m.parameters()))}
+    out |= {"weights": torch.cat([full_tensor(p.detach()).flatten() for p in m.parameters()]),
+            "moments": torch.tensor(_moments(opt)), "params_here": torch.tensor(sum(local_shard(p).numel() for p in m.parameters()))}
     if twin:
         out["ref_weights"] = torch.cat([p.detach().flatten() for p in ref.parameters()])
         out["ref_moments"] = torch.tensor(_moments(ref_opt))
@@ -83,7 +74,7 @@ def zero_rank(rank: int, world: int, arch: str, stage: int, dp: int, dtype: str,
 
 def _moments(opt: torch.optim.Optimizer) -> int:
     local = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's own AdamW holds this rank's share
-    return sum(_local(t).numel() for st in local.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    return sum(local_shard(t).numel() for st in local.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
 
 
 def _check_shares(ranks: list[dict], params: int, moments: int, stage: int) -> None:
