@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from fsspec.core import url_to_fs
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm.auto import tqdm
@@ -24,24 +24,26 @@ from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
 from longstraw.train.stages import missing_artefacts, preflight
 from longstraw.version import code_digest
-from tasks import tracking
+from tasks import stages, tracking
 from tasks.stages import configured
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _run_all(name: str, calls: list[dict], *, cfg: TrainConfig, parent: str | None, check: bool = True) -> list[dict]:
-    """Submit one task per argument dict (they run concurrently), then wait for all, in order. With `check`, a
-    result whose artefact is gone (a cached stage whose checkpoint, file or stored state was deleted) runs again."""
-    t = configured(name, cfg)
+def _run_all(stage: Task, calls: list[dict], *, cfg: TrainConfig, parent: str | None, check: bool = True
+             ) -> list[dict]:
+    """Submit one task of `stage` per argument dict (they run concurrently), then wait for all, in order. With
+    `check`, a result whose artefact is gone (a cached stage whose checkpoint, file or stored state was deleted)
+    runs again."""
+    t = configured(stage, cfg)
     config = cfg.model_dump(mode="json")
-    results = [f.result() for f in [t.submit(config, args, parent) for args in calls]]
+    results = [f.result() for f in [t.submit(config, **args, parent_run_id=parent) for args in calls]]
     redo = [i for i, r in enumerate(results) if check and missing_artefacts(r)]
     if redo:
         get_run_logger().warning("%s: %d cached results name artefacts that are gone (%s); computing them again",
-                                 name, len(redo), missing_artefacts(results[redo[0]])[0])
+                                 stage.name, len(redo), missing_artefacts(results[redo[0]])[0])
         again = t.with_options(refresh_cache=True)
-        for i, f in zip(redo, [again.submit(config, calls[i], parent) for i in redo]):
+        for i, f in zip(redo, [again.submit(config, **calls[i], parent_run_id=parent) for i in redo]):
             results[i] = f.result()
     return results
 
@@ -66,36 +68,36 @@ def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | Non
     parent = parent_run_id
     run = partial(_run_all, cfg=cfg, parent=parent, check=not recover)
     update = step * cfg.epochs
-    caps = run("capture_stage", [
+    caps = run(stages.capture, [
         dict(checkpoint=checkpoint, step=step, group=g, epoch=0) for g in groups])
-    rolls = run("rollout_stage", [
+    rolls = run(stages.rollout, [
         dict(checkpoint=checkpoint, state=_state(caps[g]), step=step, group=g) for g in groups])
     refs: list[dict | None] = [None] * cfg.groups
     if cfg.grpo.kl_coef > 0:
         ref_ckpt = str(cfg.paths().checkpoint(0))
-        refs = run("reference_stage", [
+        refs = run(stages.reference, [
             dict(ref_checkpoint=ref_ckpt, rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
-    rews = run("reward_stage", [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
+    rews = run(stages.reward, [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
 
     replays: list[dict] = []
     opt: dict = {}
     for epoch in range(cfg.epochs):
         if epoch > 0:  # the weights changed: the prefix state must be recaptured with them
-            caps = run("capture_stage", [
+            caps = run(stages.capture, [
                 dict(checkpoint=checkpoint, step=step, group=g, epoch=epoch) for g in groups])
         calls = [dict(checkpoint=checkpoint, state=_state(caps[g]), rollout_ref=_ref(rolls[g]),
                       reward_ref=_ref(rews[g]), reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch,
                       branches=b)
                  for g in groups for b in _slices(cfg.responses, cfg.pipeline.branches_per_task)]
-        replays = run("replay_stage", calls)
+        replays = run(stages.replay, calls)
         grads = [_ref(r) for r in replays]
         if cfg.mode == "exact":
             per_group = [[_ref(r) for r, c in zip(replays, calls) if c["group"] == g] for g in groups]
-            prompts = run("prompt_stage", [
+            prompts = run(stages.prompt, [
                 dict(checkpoint=checkpoint, state=_state(caps[g]), replay_refs=per_group[g], step=step, group=g,
                      epoch=epoch) for g in groups])
             grads += [_ref(p) for p in prompts]
-        (opt,) = run("optimizer_stage", [
+        (opt,) = run(stages.optimizer, [
             dict(checkpoint=checkpoint, grad_refs=grads, update=update + epoch, step=step)])
         checkpoint = opt["checkpoint"]
         if not cfg.pipeline.keep_gradients:  # committed into the checkpoint; a resume starts from there
@@ -177,7 +179,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
         logger.warning("the library changed since this run last ran (%s -> %s): stages that completed with the old "
                        "code are computed again (cache keys include the code digest)", was, code)
     save_json(code_path, {"code": code})
-    init = configured("init_run", cfg)(cfg.model_dump(mode="json"), {})
+    init = configured(stages.init_run, cfg)(cfg.model_dump(mode="json"))
     start = init["update"] // cfg.epochs
     checkpoint = str(cfg.paths().checkpoint(start * cfg.epochs))
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {

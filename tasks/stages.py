@@ -1,5 +1,5 @@
-"""One Prefect task per stage of a GRPO step; each wraps the library function of the same name in
-`longstraw.train.stages` and records a nested MLflow run.
+"""One Prefect task per stage of a GRPO step (`capture`, `rollout`, ... below): each wraps the library function
+of the same name in `longstraw.train.stages`, with its parameters, and records a nested MLflow run.
 
 Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
 and its inputs (the config, which holds the run directory, and the URLs/hashes it reads), not the MLflow parent
@@ -12,7 +12,9 @@ backoff cover transient I/O errors only.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import Task, task
@@ -25,15 +27,13 @@ from longstraw.version import code_digest
 
 from . import tracking
 
-STAGES = ("init_run", "capture_stage", "rollout_stage", "reference_stage", "reward_stage", "replay_stage",
-          "prompt_stage", "optimizer_stage")
 TRANSIENT = (OSError, TimeoutError, ConnectionError)
 _TAG_KEYS = ("step", "group", "epoch", "update")
 
 
 def _cache_key(name: str):
     def key(_ctx, params: dict) -> str:
-        inputs = {"config": params["config"], "args": params["args"]}
+        inputs = {k: v for k, v in params.items() if k != "parent_run_id"}  # the tracking run is not an input
         blob = json.dumps(inputs, sort_keys=True, default=str)
         return hashlib.sha256(f"{name}\n{code_digest()}\n{blob}".encode()).hexdigest()
 
@@ -50,17 +50,33 @@ def _retry_transient(_task, _run, state) -> bool:
     return False
 
 
-def _make(name: str, cached: bool = True) -> Task:
-    def run(config: dict, args: dict, parent_run_id: str | None = None) -> dict:
-        cfg = TrainConfig.model_validate(config)
-        tags = {k: args[k] for k in _TAG_KEYS if k in args}
-        if "branches" in args:
-            tags["branch"] = args["branches"][0]
-        with tracking.stage_run(cfg, parent_run_id, name.removesuffix("_stage"), tags) as record:
-            out = getattr(lib, name)(cfg, **args)  # looked up at call time: tests may wrap the library function
+def _stage(fn: Callable[..., dict], cached: bool = True) -> Task:
+    """The Prefect task of one library stage. Its parameters are the stage's own, named and typed as the library
+    function has them, with the run config as a JSON dict first and the MLflow parent run last."""
+    name = fn.__name__
+    lib_params = list(inspect.signature(fn).parameters.values())[1:]  # after cfg
+    signature = inspect.Signature(
+        [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=dict), *lib_params,
+         inspect.Parameter("parent_run_id", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)],
+        return_annotation=dict)
+
+    def run(*args, **kwargs) -> dict:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = dict(bound.arguments)
+        cfg = TrainConfig.model_validate(params.pop("config"))
+        parent = params.pop("parent_run_id")
+        tags = {k: params[k] for k in _TAG_KEYS if k in params}
+        if "branches" in params:
+            tags["branch"] = params["branches"][0]
+        with tracking.stage_run(cfg, parent, name.removesuffix("_stage"), tags) as record:
+            out = getattr(lib, name)(cfg, **params)  # looked up at call time: tests may wrap the library function
             record(out)
         return out
 
+    run.__signature__ = signature
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = fn.__doc__
     return task(
         name=name.removesuffix("_stage"),
         retries=2,
@@ -72,13 +88,20 @@ def _make(name: str, cached: bool = True) -> Task:
     )(run)
 
 
-STAGE_TASKS: dict[str, Task] = {name: _make(name, cached=name != "init_run") for name in STAGES}
+init_run = _stage(lib.init_run, cached=False)
+capture = _stage(lib.capture_stage)
+rollout = _stage(lib.rollout_stage)
+reference = _stage(lib.reference_stage)
+reward = _stage(lib.reward_stage)
+replay = _stage(lib.replay_stage)
+prompt = _stage(lib.prompt_stage)
+optimizer = _stage(lib.optimizer_stage)
 
 
-def configured(name: str, cfg: TrainConfig) -> Task:
+def configured(stage: Task, cfg: TrainConfig) -> Task:
     """The stage's task with this run's result storage and retry settings."""
     p = cfg.pipeline
-    return STAGE_TASKS[name].with_options(
+    return stage.with_options(
         result_storage=Path(cfg.run_dir).resolve() / "prefect-results",
         retries=p.retries,
         retry_delay_seconds=exponential_backoff(p.retry_delay_seconds) if p.retries else 0,
