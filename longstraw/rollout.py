@@ -79,7 +79,7 @@ def rollout(
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
     if parallel is not None:  # one seed for the whole group, so that every rank samples the same tokens
-        seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64), 0))
+        seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64, device=parallel.device), 0))
     gens = [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
     cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
     # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces

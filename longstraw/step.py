@@ -89,8 +89,8 @@ def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None
     sp = SequenceParallel()
     results, grads = _modes(cfg, [m for m in cfg.modes if m != "naive"], False, sp)
     for r in results:
-        mine = torch.tensor([r[k] for k in PER_RANK.values()], dtype=torch.int64)
-        per_rank = torch.stack(sp.gather(mine.to("cuda" if backend == "nccl" else "cpu"))).cpu()
+        mine = torch.tensor([r[k] for k in PER_RANK.values()], dtype=torch.int64, device=sp.device)
+        per_rank = torch.stack(sp.gather(mine)).cpu()
         r.update(zip(PER_RANK, per_rank.T.tolist()))
     rank = sp.rank
     dist.destroy_process_group()

@@ -180,7 +180,7 @@ def _sum_branch_results(model: PrefixLM, totals: dict[str, float], parallel: Seq
     for p in model.parameters() if params else ():
         if p.grad is not None:
             parallel.dp_sum_(p.grad)
-    t = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64))
+    t = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64, device=parallel.device))
     return dict(zip(totals, t.tolist()))
 
 

@@ -60,6 +60,9 @@ class SequenceParallel:
         self.dp_rank = 0 if dp is None else dist.get_rank(dp)
         self.dp_size = 1 if dp is None else dist.get_world_size(dp)
         self.bytes_communicated = 0  # payload this rank handed to collectives (for benchmarks)
+        # where the group's own small tensors (checksums, counts, seeds) live: NCCL moves CUDA tensors only
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @classmethod
     def from_mesh(cls, mesh, sp: str = "sp", dp: str | None = "dp") -> "SequenceParallel":
@@ -118,14 +121,14 @@ class SequenceParallel:
 
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t)
 
     def check_same(self, ids: Tensor, what: str) -> None:
         """ValueError on every rank unless every rank passed the same token ids."""
         digest = hashlib.sha256(ids.detach().to(torch.int64).cpu().numpy().tobytes()).digest()
-        mine = torch.tensor([ids.numel(), *digest[:7]], dtype=torch.int64)
+        mine = torch.tensor([ids.numel(), *digest[:7]], dtype=torch.int64, device=self.device)
         same = True
         for group in (self.group, self.dp) if self.dp is not None else (self.group,):
             lo, hi = mine.clone(), mine.clone()
