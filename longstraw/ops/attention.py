@@ -125,10 +125,13 @@ def _unfold(x: Tensor, b: int, h: int) -> Tensor:
     return x.reshape(b, h, *x.shape[3:])
 
 
-def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
+def merge_parts(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial attention results (out [..., d], lse [...]) over disjoint key sets merged into one, in o1's
+    dtype; where both parts saw no key (lse -inf), the output is 0."""
     lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     acc = _acc(o1)
-    o = o1.to(acc) * torch.exp(l1 - lse)[..., None] + o2.to(acc) * torch.exp(l2 - lse)[..., None]
+    o = o1.to(acc) * torch.exp(l1 - safe)[..., None] + o2.to(acc) * torch.exp(l2 - safe)[..., None]
     return o.to(o1.dtype), lse
 
 
@@ -149,7 +152,7 @@ class _PrefixSegmentAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel):
         o_p, l_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
         o_s, l_s = part_forward(q, k, v, True, scale, kernel)
-        o, lse = _merge(o_p, l_p, o_s, l_s)
+        o, lse = merge_parts(o_p, l_p, o_s, l_s)
         ctx.save_for_backward(q, k, v, o, lse)
         # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
         # attribute (autograd's version check would otherwise reject the later appends beyond it).
@@ -212,5 +215,5 @@ def decode_attention(
         raise ValueError("decode_attention takes one query token per row")
     o, lse = part_forward(q, own_k, own_v, False, scale)
     if prefix is not None and (parallel is not None or prefix[0].shape[1]):
-        o, lse = _merge(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel), o, lse)
+        o, lse = merge_parts(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel), o, lse)
     return o

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import merge_parts
+
 Tensor = torch.Tensor
 KEY_BLOCK = 4096
 QUERY_BLOCK = 64
@@ -84,12 +86,6 @@ def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     return torch.einsum("bthk,btkd->bthd", p, values), lse
 
 
-def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
-    lse = torch.logaddexp(l1, l2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return o1 * torch.exp(l1 - safe)[..., None] + o2 * torch.exp(l2 - safe)[..., None], lse
-
-
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel):
@@ -106,7 +102,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         o_p, l_p = (torch.cat(x, dim=1) for x in zip(*parts["pre"]))
         if parallel is not None:
             o_p, l_p = parallel.merge(o_p, l_p)
-        out, lse = _merge(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
+        out, lse = merge_parts(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
         ctx.save_for_backward(q, own, pos, valid, out, lse)
         ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim
         ctx.n, ctx.offset, ctx.parallel = n, offset, parallel
