@@ -241,8 +241,9 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str, int] = (FORMAT, FORMAT_VERSION),
-                  what: str = "prefix state") -> dict:
-    """The manifest of the committed state at `url`; ValueError if there is none (never committed, or killed)."""
+                  what: str = "prefix state", digest: str | None = None) -> dict:
+    """The manifest of the committed state at `url`; ValueError if there is none (never committed, or killed).
+    With `digest` (a `manifest_digest` handed on by the stage that wrote it), CorruptArtefact unless it matches."""
     url = url.rstrip("/")
     name, version = fmt
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -257,6 +258,9 @@ def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str,
             f"{what} at {url} has format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
             f"this longstraw reads {name!r} version {version}"
         )
+    if digest is not None and manifest_digest(manifest) != digest:
+        raise CorruptArtefact(f"{what} at {url} is not the one this stage was given (its manifest changed); it is "
+                              "recomputed on the next attempt", url)
     return manifest
 
 
@@ -267,6 +271,7 @@ def load_state(
     weights_version: str,
     token_range: tuple[int, int] | None = None,
     storage_options: dict | None = None,
+    digest: str | None = None,
 ) -> PrefixState:
     """Load the committed state at `url` for `model` (whose weights have `weights_version`), on the model's device.
 
@@ -274,9 +279,10 @@ def load_state(
     `token_range=(a, b)` reads only the shards holding positions [a, b) of the per-token tensors, which then hold
     those positions (index 0 = position a); recurrent states (the state after the whole prompt), `prompt_ids` and
     `chunks` are always the whole prompt's. Such a partial state is a sequence shard, not something to `score` on.
+    `digest`: the manifest must be the one with this `manifest_digest` (see `read_manifest`).
     """
     url = url.rstrip("/")
-    manifest = read_manifest(url, storage_options)
+    manifest = read_manifest(url, storage_options, digest=digest)
     if manifest["model_fingerprint"] != model.config.fingerprint:
         raise ValueError(
             f"prefix state at {url} was captured with another model (architecture fingerprint "
@@ -342,10 +348,12 @@ def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.T
     return _write_committed(url, storage_options, write)
 
 
-def load_rollout(url: str, *, storage_options: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(responses, sampling log-probs, meta) of the committed rollout at `url`; every file's checksum verified."""
+def load_rollout(url: str, *, storage_options: dict | None = None, digest: str | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(responses, sampling log-probs, meta) of the committed rollout at `url`; every file's checksum verified
+    (and the manifest against `digest`, see `read_manifest`)."""
     url = url.rstrip("/")
-    manifest = read_manifest(url, storage_options, ROLLOUT_FORMAT, "rollout")
+    manifest = read_manifest(url, storage_options, ROLLOUT_FORMAT, "rollout", digest)
     store = _ChecksumStore(_zarr_store(url, storage_options, read_only=True), manifest["checksums"], url, True,
                            "rollout")
     root = zarr.open_group(store, mode="r", zarr_format=3)

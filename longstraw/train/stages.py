@@ -21,7 +21,7 @@ from ..data import Example, check_vocab, load_tokenizer
 from ..engine.backward import naive_backward, replay_backward, stored_prompt_backward
 from ..engine.capture import capture
 from ..engine.replay import score
-from ..files import CorruptArtefact, remove_stale_temporaries
+from ..files import remove_stale_temporaries
 from ..grpo import group_advantages, token_weights
 from ..grpo.rewards import compute_rewards, get_reward
 from ..memory import PeakMeter
@@ -29,7 +29,7 @@ from ..models import build_model, load_model
 from ..models.checkpoint import read_config
 from ..models.registry import config_from_hf
 from ..rollout import rollout
-from ..store import ROLLOUT_FORMAT, load_state, manifest_digest, read_manifest, save_rollout, save_state
+from ..store import load_state, manifest_digest, read_manifest, save_rollout, save_state
 from ..store import load_rollout as store_load_rollout
 from .artifacts import load_json, load_tensors, save_json, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
@@ -142,12 +142,9 @@ def capture_stage(cfg: TrainConfig, checkpoint: str, step: int, group: int, epoc
 def _load_state(cfg: TrainConfig, model: nn.Module, version: str, state: dict | str):
     """The stored prefix state of a capture stage's result ({url, sha256}: its manifest checked against the
     digest) or of a bare URL."""
-    url = state if isinstance(state, str) else state["url"]
-    opts = cfg.store.storage_options
-    if not isinstance(state, str) and manifest_digest(read_manifest(url, opts)) != state["sha256"]:
-        raise CorruptArtefact(f"prefix state at {url} is not the one this stage was given (its manifest changed); "
-                              "it is recomputed on the next attempt", url)
-    return load_state(url, model=model, weights_version=version, storage_options=opts)
+    url, digest = (state, None) if isinstance(state, str) else (state["url"], state["sha256"])
+    return load_state(url, model=model, weights_version=version, storage_options=cfg.store.storage_options,
+                      digest=digest)
 
 
 def rollout_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, step: int, group: int) -> dict:
@@ -173,11 +170,7 @@ def rollout_stage(cfg: TrainConfig, checkpoint: str, state: dict | str, step: in
 
 def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
-    opts = cfg.store.storage_options
-    if manifest_digest(read_manifest(ref["path"], opts, ROLLOUT_FORMAT, "rollout")) != ref["sha256"]:
-        raise CorruptArtefact(f"rollout at {ref['path']} is not the one this stage was given (its manifest "
-                              "changed); it is recomputed on the next attempt", ref["path"])
-    return store_load_rollout(ref["path"], storage_options=opts)
+    return store_load_rollout(ref["path"], storage_options=cfg.store.storage_options, digest=ref["sha256"])
 
 
 def reference_stage(cfg: TrainConfig, ref_checkpoint: str, rollout_ref: dict, step: int, group: int) -> dict:
