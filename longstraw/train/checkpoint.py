@@ -95,8 +95,8 @@ def read_trainer(directory: str | Path) -> dict:
                          f"deleting this directory") from None
     if _VERIFIED.get(key) == stamp:
         return meta
-    for name, digest in meta["files"].items():
-        if sha256_file(d / name) != digest:
+    for name, expected in meta["files"].items():
+        if sha256_file(d / name) != expected:
             raise ValueError(f"checkpoint {d}: {name} does not match its sha256 (corrupted); resume from an earlier "
                              f"checkpoint by deleting this directory")
     _VERIFIED[key] = stamp
