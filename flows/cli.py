@@ -17,15 +17,52 @@ from longstraw.train.config import TrainConfig  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    cfg = load_config(args.config, TrainConfig)
-    data = cfg.model_dump(mode="json")
+    return _overridden(load_config(args.config, TrainConfig).model_dump(mode="json"), args)
+
+
+def _overridden(data: dict, args: argparse.Namespace) -> TrainConfig:
+    """The config with the command line's overrides; under torchrun, its world size is the number of ranks."""
     for key in ("run_dir", "steps"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
+    nproc = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else getattr(args, "nproc", None)
+    if nproc is not None:
+        data["pipeline"] = {**data.get("pipeline", {}), "nproc": nproc}
     return TrainConfig.model_validate(data)
 
 
-def _report(out: dict) -> None:
+def _under_torchrun() -> bool:
+    from longstraw.train.spmd import under_torchrun
+
+    return under_torchrun()
+
+
+def _run(cfg: TrainConfig, progress: bool) -> int:
+    """Train in this process (one rank), as one rank of the torchrun job this process belongs to, or start a
+    job of `pipeline.nproc` ranks."""
+    if _under_torchrun():
+        from .ranks import run_rank
+
+        run_rank(cfg, progress)  # never returns
+    _where(cfg)
+    if cfg.pipeline.nproc > 1:
+        from longstraw.train.lock import RunLock
+        from longstraw.train.spmd import launch
+
+        with RunLock(cfg.run_dir):  # fail now, not after starting the ranks, when another run holds it
+            pass
+        code = launch(cfg, progress)
+        if code:
+            print(f"longstraw: the {cfg.pipeline.nproc}-rank run failed (exit {code}); `longstraw resume "
+                  f"{cfg.run_dir}` continues it", file=sys.stderr)
+        return code
+    from .train import grpo_train
+
+    report(grpo_train(cfg.model_dump(mode="json"), progress=progress))
+    return 0
+
+
+def report(out: dict) -> None:
     rows = out["history"]
     print(f"\n{'step':>4} {'reward':>7} {'acc':>6} {'loss':>9} {'grad':>7} {'len':>5} {'sec':>6}")
     for h in rows:
@@ -43,12 +80,7 @@ def _where(cfg: TrainConfig) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    from .train import grpo_train
-
-    cfg = _config(args)
-    _where(cfg)
-    _report(grpo_train(cfg.model_dump(mode="json"), progress=not args.no_progress))
-    return 0
+    return _run(_config(args), not args.no_progress)
 
 
 def _resume_config(target: str) -> dict:
@@ -78,12 +110,7 @@ def _resume_config(target: str) -> dict:
 
 
 def resume(args: argparse.Namespace) -> int:
-    from .train import grpo_train
-
-    cfg = TrainConfig.model_validate(_resume_config(args.target))
-    _where(cfg)
-    _report(grpo_train(cfg.model_dump(mode="json"), progress=not args.no_progress))
-    return 0
+    return _run(_overridden(_resume_config(args.target), args), not args.no_progress)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -127,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/train-tiny.yaml", help="YAML TrainConfig")
     p.add_argument("--run-dir", help="override the config's run_dir")
     p.add_argument("--steps", type=int, help="override the number of steps")
+    p.add_argument("--nproc", type=int, help="ranks of the run (started with torchrun; overrides pipeline.nproc)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=train)
     p = sub.add_parser("resume", help="continue a failed run from its stored state (completed stages are skipped)")
     p.add_argument("target", help="run directory, or the id of one of its Prefect flow runs")
+    p.add_argument("--nproc", type=int, help="ranks (default: the run's pipeline.nproc)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=resume)
     p = sub.add_parser("serve", help="register the nightly grpo-train deployment and run its flow runs")

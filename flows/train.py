@@ -1,8 +1,9 @@
 """`grpo_train`: the GRPO training flow. Each step is a subflow chaining the stage tasks of `tasks/stages.py`.
 
-The flow holds no tensors: stages exchange paths/URLs with sha256s. It starts from the run directory's latest
-checkpoint, so running it again on the same config (or `longstraw resume`) continues a failed run; stages that
-completed before the failure are taken from the cache, not recomputed.
+The flow holds no tensors: stages exchange paths/URLs with sha256s, and the model stages run on the run's
+resident ranks (longstraw/train/spmd.py). It starts from the run directory's latest checkpoint, so running it
+again on the same config (or `longstraw resume`) continues a failed run; stages whose output was stored before
+the failure are taken from the cache, not recomputed.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from pathlib import Path
 from fsspec.core import url_to_fs
 from prefect import Task, flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm.auto import tqdm
 
 from longstraw.files import CorruptArtefact
 from longstraw.train.artifacts import load_json, save_json
+from longstraw.train import spmd
+from longstraw.train.checkpoint import latest_checkpoint
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
+from longstraw.train.spmd import Driver
 from longstraw.train.stages import missing_artefacts, preflight
+from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 from tasks import stages, tracking
 from tasks.stages import configured
@@ -30,26 +34,26 @@ from tasks.stages import configured
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _run_all(stage: Task, calls: list[dict], *, cfg: TrainConfig, parent: str | None, check: bool = True
-             ) -> list[dict]:
-    """Submit one task of `stage` per argument dict (they run concurrently), then wait for all, in order. With
-    `check`, a result whose artefact is gone (a cached stage whose checkpoint, file or stored state was deleted)
-    runs again."""
+def _run(stage: Task, args: dict, *, cfg: TrainConfig, parent: str | None) -> dict:
+    """Run one stage task and wait for it. A cached result whose artefact is gone (a deleted state, rollout or
+    file) runs again."""
     t = configured(stage, cfg)
     config = cfg.model_dump(mode="json")
-    results = [f.result() for f in [t.submit(config, **args, parent_run_id=parent) for args in calls]]
-    redo = [i for i, r in enumerate(results) if check and missing_artefacts(r)]
-    if redo:
-        get_run_logger().warning("%s: %d cached results name artefacts that are gone (%s); computing them again",
-                                 stage.name, len(redo), missing_artefacts(results[redo[0]])[0])
-        again = t.with_options(refresh_cache=True)
-        for i, f in zip(redo, [again.submit(config, **calls[i], parent_run_id=parent) for i in redo]):
-            results[i] = f.result()
-    return results
+    out = t(config, **args, parent_run_id=parent)
+    if gone := missing_artefacts(out):
+        get_run_logger().warning("%s: the cached result names artefacts that are gone (%s); computing it again",
+                                 stage.name, gone[0])
+        out = t.with_options(refresh_cache=True)(config, **args, parent_run_id=parent)
+    return out
 
 
-def _slices(n: int, size: int) -> list[list[int]]:
-    return [list(range(b, min(b + size, n))) for b in range(0, n, size)]
+def branch_slices(cfg: TrainConfig) -> list[list[list[int]]]:
+    """The replay tasks of one group: each gives every data-parallel group d one slice of `branches_per_task` of
+    its own branches (d's share is contiguous, G / D of them), so the groups replay in parallel, in lockstep."""
+    dp = cfg.pipeline.data_parallel
+    per = cfg.responses // dp
+    size = cfg.pipeline.branches_per_task
+    return [[list(range(d * per + b, d * per + min(b + size, per))) for d in range(dp)] for b in range(0, per, size)]
 
 
 def _mean(xs: list[float]) -> float:
@@ -57,97 +61,95 @@ def _mean(xs: list[float]) -> float:
 
 
 @flow(name="grpo-step", flow_run_name="step-{step}")
-def grpo_step(config: dict, step: int, checkpoint: str, parent_run_id: str | None = None, recover: bool = False
-              ) -> dict:
-    """One GRPO step: capture -> rollout -> (reference) -> reward -> replay (per branch) -> (prompt backward)
-    -> optimizer step + checkpoint, once per epoch. `recover`: the step was committed but its record was lost;
-    its results come from the cache as they are (its gradient files were deleted after the commit)."""
+def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, parent_run_id: str | None = None) -> dict:
+    """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
+    -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. `weights` is the lineage id
+    of the weights the ranks hold at the step's start, `ref_weights` that of the KL reference."""
     cfg = TrainConfig.model_validate(config)
     t0 = time.perf_counter()
-    groups = range(cfg.groups)
-    parent = parent_run_id
-    run = partial(_run_all, cfg=cfg, parent=parent, check=not recover)
+    run = partial(_run, cfg=cfg, parent=parent_run_id)
     update = step * cfg.epochs
-    caps = run(stages.capture, [
-        dict(checkpoint=checkpoint, step=step, group=g, epoch=0) for g in groups])
-    rolls = run(stages.rollout, [
-        dict(checkpoint=checkpoint, state=_state(caps[g]), step=step, group=g) for g in groups])
-    refs: list[dict | None] = [None] * cfg.groups
-    if cfg.grpo.kl_coef > 0:
-        ref_ckpt = str(cfg.paths().checkpoint(0))
-        refs = run(stages.reference, [
-            dict(ref_checkpoint=ref_ckpt, rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
-    rews = run(stages.reward, [dict(rollout_ref=_ref(rolls[g]), step=step, group=g) for g in groups])
-
+    caps: dict[int, dict] = {}
+    rolls: dict[int, dict] = {}
+    refs: dict[int, dict | None] = {}
+    rews: dict[int, dict] = {}
     replays: list[dict] = []
+    prompts: list[dict] = []
     opt: dict = {}
     for epoch in range(cfg.epochs):
-        if epoch > 0:  # the weights changed: the prefix state must be recaptured with them
-            caps = run(stages.capture, [
-                dict(checkpoint=checkpoint, step=step, group=g, epoch=epoch) for g in groups])
-        calls = [dict(checkpoint=checkpoint, state=_state(caps[g]), rollout_ref=_ref(rolls[g]),
-                      reward_ref=_ref(rews[g]), reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch,
-                      branches=b)
-                 for g in groups for b in _slices(cfg.responses, cfg.pipeline.branches_per_task)]
-        replays = run(stages.replay, calls)
-        grads = [_ref(r) for r in replays]
-        if cfg.mode == "exact":
-            per_group = [[_ref(r) for r, c in zip(replays, calls) if c["group"] == g] for g in groups]
-            prompts = run(stages.prompt, [
-                dict(checkpoint=checkpoint, state=_state(caps[g]), replay_refs=per_group[g], step=step, group=g,
-                     epoch=epoch) for g in groups])
-            grads += [_ref(p) for p in prompts]
-        (opt,) = run(stages.optimizer, [
-            dict(checkpoint=checkpoint, grad_refs=grads, update=update + epoch, step=step)])
-        checkpoint = opt["checkpoint"]
-        if not cfg.pipeline.keep_gradients:  # committed into the checkpoint; a resume starts from there
-            for g in grads:
-                Path(g["path"]).unlink(missing_ok=True)
+        for g in range(cfg.groups):  # one group at a time: one prefix state and one dState resident
+            # epoch > 0: the weights changed, so the prompt is captured again with them
+            caps[g] = run(stages.capture, dict(weights=weights, step=step, group=g, epoch=epoch))
+            state = _state(caps[g])
+            if epoch == 0:
+                rolls[g] = run(stages.rollout, dict(weights=weights, state=state, step=step, group=g))
+                refs[g] = (run(stages.reference, dict(ref_weights=ref_weights, state=state, rollout_ref=_ref(rolls[g]),
+                                                      step=step, group=g)) if cfg.grpo.kl_coef > 0 else None)
+                rews[g] = run(stages.reward, dict(rollout_ref=_ref(rolls[g]), step=step, group=g))
+            for slices in branch_slices(cfg):
+                replays.append(run(stages.replay, dict(
+                    weights=weights, state=state, rollout_ref=_ref(rolls[g]), reward_ref=_ref(rews[g]),
+                    reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
+            if cfg.mode == "exact":
+                prompts.append(run(stages.prompt, dict(weights=weights, state=state, step=step, group=g,
+                                                       epoch=epoch)))
+        record = _metrics(cfg, list(caps.values()), list(rolls.values()), list(rews.values()), replays, prompts,
+                          time.perf_counter() - t0)
+        opt = run(stages.optimizer, dict(weights=weights, update=update + epoch, step=step, record=record))
+        weights = opt["weights_version"]
+    metrics = _metrics(cfg, list(caps.values()), list(rolls.values()), list(rews.values()), replays, prompts,
+                       time.perf_counter() - t0, opt)
+    return {"step": step, "weights": weights, "checkpoint": opt["checkpoint"], "metrics": metrics}
 
-    tokens = sum(r["tokens"] for r in replays)
-    seconds = time.perf_counter() - t0
-    metrics = {
+
+def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[dict], replays: list[dict],
+             prompts: list[dict], seconds: float, opt: dict | None = None) -> dict:
+    """The step's metrics (before the optimizer step: without its numbers, which it adds itself)."""
+    epoch_tokens = sum(r["tokens"] for r in replays) / cfg.epochs  # the branches' tokens, once
+    m = {
         "reward_mean": _mean([r["reward_mean"] for r in rews]),
         "reward_std": _mean([r["reward_std"] for r in rews]),
         "accuracy": _mean([r["accuracy"] for r in rews]),
         "reward_failures": sum(r["reward_failures"] for r in rews),
-        "loss": sum(r["loss"] for r in replays) / cfg.groups,
-        "kl": sum(r["kl_sum"] for r in replays) / max(tokens, 1),
-        "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(tokens, 1),
-        "grad_norm": opt["grad_norm"],
-        "skipped_updates": opt.get("skipped", 0.0),
-        "lr": opt["lr"],
+        "loss": sum(r["loss"] for r in replays) / cfg.groups / cfg.epochs,
+        "kl": sum(r["kl_sum"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
+        "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "response_len": _mean([r["response_len_mean"] for r in rolls]),
         "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),
-        "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays]),
+        "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays, *prompts]),
         "step_seconds": seconds,
-        "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + tokens) / seconds,
+        "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + epoch_tokens) / seconds,
+        "capture_seconds": sum(c["seconds"] for c in caps),
+        "rollout_seconds": sum(r["seconds"] for r in rolls),
+        "reward_seconds": sum(r["seconds"] for r in rews),
+        "replay_seconds": sum(r["seconds"] for r in replays),
     }
-    for name, outs in (("capture", caps), ("rollout", rolls), ("reward", rews), ("replay", replays)):
-        metrics[f"{name}_seconds"] = sum(o["seconds"] for o in outs)
-    metrics["optimizer_seconds"] = opt["seconds"]
     if cfg.mode == "exact":
-        metrics["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
-    return {"step": step, "checkpoint": checkpoint, "metrics": metrics}
+        m["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
+    if opt is not None:
+        m |= {"grad_norm": opt["grad_norm"], "skipped_updates": opt.get("skipped", 0.0), "lr": opt["lr"],
+              "optimizer_seconds": opt["seconds"]}
+    return m
 
 
 def _state(capture: dict) -> dict:
     return {"url": capture["url"], "sha256": capture["sha256"]}
 
 
-def _step_dropping_corrupt(step_flow, cfg: TrainConfig, step: int, checkpoint: str, parent: str | None) -> dict:
-    """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a gradient file: derived
-    data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached, but its
-    artefact is gone now, so it runs again (`_run_all`), and nothing has to be cleaned up by hand."""
+def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights: str, ref_weights: str | None, parent: str | None) -> dict:
+    """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a reward or reference file:
+    derived data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached,
+    but its artefact is gone now, so it runs again (`_run`), and nothing has to be cleaned up by hand."""
+    config = cfg.model_dump(mode="json")
     try:
-        return step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
+        return grpo_step(config, step, weights, ref_weights, parent)
     except CorruptArtefact as e:
         fs, where = url_to_fs(e.where)
         if Path(cfg.paths().checkpoints).resolve() in Path(where).resolve().parents or not fs.exists(where):
             raise
         get_run_logger().warning("step %d: %s; deleted it, running the step again", step, e)
         fs.rm(where, recursive=True)
-    return step_flow(cfg.model_dump(mode="json"), step, checkpoint, parent)
+    return grpo_step(config, step, weights, ref_weights, parent)
 
 
 def _ref(out: dict | None) -> dict | None:
@@ -162,10 +164,26 @@ def _history(cfg: TrainConfig) -> tuple[Path, list[dict]]:
 @flow(name="grpo-train", log_prints=True)
 def grpo_train(config: dict, progress: bool = True) -> dict:
     """Train with GRPO for `config.steps` steps (a TrainConfig as a dict), continuing from the run directory's
-    latest checkpoint. Returns the final checkpoint and the per-step metrics."""
+    latest checkpoint. Returns the final checkpoint and the per-step metrics.
+
+    On `pipeline.nproc` N > 1 ranks this flow runs on rank 0 of a torchrun job and drives the others; called
+    outside one (a deployment's run, a script), it starts the job, whose rank 0 runs it again."""
     cfg = TrainConfig.model_validate(config)
+    if cfg.pipeline.nproc > 1 and spmd.current_ranks() is None:
+        return _launch(cfg, progress)
     with RunLock(cfg.run_dir):  # before anything is written: a second run on this directory stops here
         return _train(cfg, progress)
+
+
+def _launch(cfg: TrainConfig, progress: bool) -> dict:
+    with RunLock(cfg.run_dir):  # fail now, not after starting N ranks, when another run holds the directory
+        pass
+    code = spmd.launch(cfg, progress)
+    if code:
+        raise RuntimeError(f"the {cfg.pipeline.nproc}-rank run failed (exit {code}; its ranks' errors are above); "
+                           f"`longstraw resume {cfg.run_dir}` continues it")
+    latest = latest_checkpoint(cfg.paths().checkpoints)
+    return {"checkpoint": str(latest), "history": _history(cfg)[1], "run_dir": cfg.run_dir, "mlflow_run_id": None}
 
 
 def _train(cfg: TrainConfig, progress: bool) -> dict:
@@ -174,46 +192,58 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     preflight(cfg)  # bad rewards, tasks, options and lengths fail here, before anything is written
     save_json(run_dir / "config.json", cfg.model_dump(mode="json"))
     code, code_path = code_digest(), run_dir / "code.json"
-    changed = code_path.is_file() and (was := load_json(code_path).get("code")) != code
-    if changed:
+    if code_path.is_file() and (was := load_json(code_path).get("code")) != code:
         logger.warning("the library changed since this run last ran (%s -> %s): stages that completed with the old "
                        "code are computed again (cache keys include the code digest)", was, code)
     save_json(code_path, {"code": code})
-    init = configured(stages.init_run, cfg)(cfg.model_dump(mode="json"))
-    start = init["update"] // cfg.epochs
-    checkpoint = str(cfg.paths().checkpoint(start * cfg.epochs))
+    spmd.clear_failures(cfg)
+    driver = Driver(Worker(cfg, spmd.current_ranks()))
+    stages.use_driver(driver)
+    try:
+        return _steps(cfg, progress, logger)
+    finally:
+        driver.stop()
+        stages.use_driver(None)
+
+
+def _steps(cfg: TrainConfig, progress: bool, logger) -> dict:
+    run_dir = Path(cfg.run_dir)
+    config = cfg.model_dump(mode="json")
+    init = configured(stages.start, cfg)(config)
+    start, weights = init["update"] // cfg.epochs, init["weights_version"]
+    checkpoint = init["checkpoint"]
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {
-        "prefect.flow_run_id": str(flow_run.get_id()), "run_dir": str(run_dir.resolve()), "resumed_from_step": str(start)})
-    logger.info("run dir %s, MLflow %s (parent run %s), state store %s; starting at step %d of %d",
-                run_dir.resolve(), tracking.tracking_uri(cfg), parent, cfg.paths().store_url, start, cfg.steps)
+        "prefect.flow_run_id": str(flow_run.get_id()), "run_dir": str(run_dir.resolve()),
+        "resumed_from_step": str(start), "ranks": str(cfg.pipeline.nproc)})
+    logger.info("run dir %s, MLflow %s (parent run %s), state store %s, %d rank(s); starting at step %d of %d",
+                run_dir.resolve(), tracking.tracking_uri(cfg), parent, cfg.paths().store_url, cfg.pipeline.nproc,
+                start, cfg.steps)
     history_path, history = _history(cfg)
     history = [h for h in history if h["step"] < start]
-    step_flow = grpo_step.with_options(task_runner=ThreadPoolTaskRunner(max_workers=cfg.pipeline.replay_concurrency))
 
-    def record(step: int, res: dict) -> None:
-        tracking.log_metrics(cfg, parent, res["metrics"], step)
-        history.append({"step": step, **res["metrics"]})
+    def record(step: int, metrics: dict) -> None:
+        tracking.log_metrics(cfg, parent, metrics, step)
+        history.append({"step": step, **metrics})
         history.sort(key=lambda h: h["step"])
         save_json(history_path, history)
-        m = res["metrics"]
         logger.info("step %d: reward %.3f (accuracy %.3f), loss %.4f, grad norm %.3f, %.1f s", step,
-                    m["reward_mean"], m["accuracy"], m["loss"], m["grad_norm"], m["step_seconds"])
+                    metrics["reward_mean"], metrics["accuracy"], metrics["loss"], metrics["grad_norm"],
+                    metrics["step_seconds"])
 
     status = "FAILED"
     try:
-        # a kill between a step's checkpoint commit and its record: the record comes back from the cached results
+        # a kill between a checkpoint commit and the step's record: the record was committed with the checkpoint
         for step in sorted(set(range(start)) - {h["step"] for h in history}):
-            first = cfg.paths().checkpoint(step * cfg.epochs)
-            if changed or not first.is_dir():  # recomputing would rewrite a committed checkpoint
-                logger.warning("step %d is committed but has no record, and cannot be recovered (%s)", step,
-                               "the library changed" if changed else f"{first} is gone")
-                continue
-            record(step, step_flow(cfg.model_dump(mode="json"), step, str(first), parent, recover=True))
+            meta = cfg.paths().checkpoint((step + 1) * cfg.epochs) / "trainer.json"
+            if meta.is_file() and "record" in (rec := load_json(meta)):
+                record(step, rec["record"])
+            else:
+                logger.warning("step %d has no record (its checkpoint %s holds none)", step, meta.parent)
         for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
                          initial=start, total=cfg.steps):
-            res = _step_dropping_corrupt(step_flow, cfg, step, checkpoint, parent)
-            checkpoint = res["checkpoint"]
-            record(step, res)
+            res = _step_dropping_corrupt(cfg, step, weights, init["ref_weights"], parent)
+            weights, checkpoint = res["weights"], res["checkpoint"] or checkpoint
+            record(step, res["metrics"])
         status = "FINISHED"
     finally:
         if history:
@@ -222,5 +252,3 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
         tracking.log_artifact(cfg, parent, run_dir / "config.json")
         tracking.end_run(cfg, parent, status)
     return {"checkpoint": checkpoint, "history": history, "run_dir": str(run_dir), "mlflow_run_id": parent}
-
-

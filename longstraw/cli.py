@@ -141,10 +141,9 @@ def _world_size() -> int:
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
-    if _world_size() > 1 and args.command != "step":
-        print(f"longstraw {args.command}: error: runs on one process; of the commands only `step` runs on several "
-              f"ranks so far (WORLD_SIZE={_world_size()}); the multi-rank training pipeline is a later issue",
-              file=sys.stderr)
+    if _world_size() > 1 and args.command not in ("step", "train", "resume"):
+        print(f"longstraw {args.command}: error: runs on one process; of the commands `step`, `train` and `resume` "
+              f"run on several ranks (WORLD_SIZE={_world_size()})", file=sys.stderr)
         return 2
     try:
         return args.func(args)

@@ -1,12 +1,17 @@
-"""One Prefect task per stage of a GRPO step (`capture`, `rollout`, ... below): each wraps the library function
-of the same name in `longstraw.train.stages`, with its parameters, and records a nested MLflow run.
+"""One Prefect task per stage of a GRPO step (`capture`, `rollout`, ... below), each recording a nested MLflow
+run. A model stage (an op of `longstraw.train.worker.Worker`) runs on every rank of the run through this process's
+`Driver` (`use_driver`): rank 0's task sends the op, all ranks execute it on their resident model. The reward is
+computed here, on rank 0 alone.
 
 Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
-and its inputs (the config, which holds the run directory, and the URLs/hashes it reads), not the MLflow parent
-run. Results (small JSON dicts) persist under `<run_dir>/prefect-results`, so re-running a failed flow run, or a
-new run of the same step, skips every stage that completed with the same code; after any change to the library
-(the engine, the ops, the loss, not only the stage function) the stages run again. Retries with exponential
-backoff cover transient I/O errors only.
+and its inputs (the config, which holds the run directory and the mesh, and the weights' lineage id and the
+URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
+`<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward) are cached, so a
+resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
+gradients; the optimizer step) are never cached, since a fresh job holds none of it, and run again on resume from
+the stored state and rollout. After any change to the library the cached stages run again too. Retries with
+exponential backoff cover transient I/O errors in rank-0 stages, and every stage at nproc 1 (on N ranks a failed
+op ends the job).
 """
 
 from __future__ import annotations
@@ -23,12 +28,27 @@ from prefect.tasks import exponential_backoff
 
 import longstraw.train.stages as lib
 from longstraw.train.config import TrainConfig
+from longstraw.train.spmd import Driver
+from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 
 from . import tracking
 
 TRANSIENT = (OSError, TimeoutError, ConnectionError)
 _TAG_KEYS = ("step", "group", "epoch", "update")
+_DRIVER: Driver | None = None
+
+
+def use_driver(driver: Driver | None) -> None:
+    """The driver of the run this process drives (set by the flow for its duration)."""
+    global _DRIVER
+    _DRIVER = driver
+
+
+def _driver() -> Driver:
+    if _DRIVER is None:
+        raise RuntimeError("no training run is being driven in this process (the grpo-train flow sets one)")
+    return _DRIVER
 
 
 def _cache_key(name: str):
@@ -50,11 +70,10 @@ def _retry_transient(_task, _run, state) -> bool:
     return False
 
 
-def _stage(fn: Callable[..., dict], cached: bool = True) -> Task:
-    """The Prefect task of one library stage. Its parameters are the stage's own, named and typed as the library
-    function has them, with the run config as a JSON dict first and the MLflow parent run last."""
-    name = fn.__name__
-    lib_params = list(inspect.signature(fn).parameters.values())[1:]  # after cfg
+def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> Task:
+    """The Prefect task of one stage. Its parameters are the stage's own, named and typed as the library has them,
+    with the run config as a JSON dict first and the MLflow parent run last."""
+    lib_params = list(inspect.signature(fn).parameters.values())[1:]  # after self / cfg
     signature = inspect.Signature(
         [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=dict), *lib_params,
          inspect.Parameter("parent_run_id", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)],
@@ -68,17 +87,18 @@ def _stage(fn: Callable[..., dict], cached: bool = True) -> Task:
         parent = params.pop("parent_run_id")
         tags = {k: params[k] for k in _TAG_KEYS if k in params}
         if "branches" in params:
-            tags["branch"] = params["branches"][0]
-        with tracking.stage_run(cfg, parent, name.removesuffix("_stage"), tags) as record:
-            out = getattr(lib, name)(cfg, **params)  # looked up at call time: tests may wrap the library function
+            tags["branch"] = params["branches"][0][0]
+        with tracking.stage_run(cfg, parent, name, tags) as record:
+            # looked up at call time: tests may wrap the library function
+            out = _driver().call(fn.__name__, **params) if on_ranks else getattr(lib, fn.__name__)(cfg, **params)
             record(out)
         return out
 
     run.__signature__ = signature
     run.__name__ = run.__qualname__ = name
     run.__doc__ = fn.__doc__
-    return task(
-        name=name.removesuffix("_stage"),
+    t = task(
+        name=name,
         retries=2,
         retry_delay_seconds=exponential_backoff(2),
         retry_condition_fn=_retry_transient,
@@ -86,23 +106,26 @@ def _stage(fn: Callable[..., dict], cached: bool = True) -> Task:
         persist_result=cached,
         result_serializer="json",
     )(run)
+    t.on_ranks = on_ranks
+    return t
 
 
-init_run = _stage(lib.init_run, cached=False)
-capture = _stage(lib.capture_stage)
-rollout = _stage(lib.rollout_stage)
-reference = _stage(lib.reference_stage)
-reward = _stage(lib.reward_stage)
-replay = _stage(lib.replay_stage)
-prompt = _stage(lib.prompt_stage)
-optimizer = _stage(lib.optimizer_stage)
+start = _stage(Worker.start, "start", cached=False, on_ranks=True)
+capture = _stage(Worker.capture, "capture", cached=True, on_ranks=True)
+rollout = _stage(Worker.rollout, "rollout", cached=True, on_ranks=True)
+reference = _stage(Worker.reference, "reference", cached=True, on_ranks=True)
+reward = _stage(lib.reward_stage, "reward", cached=True, on_ranks=False)
+replay = _stage(Worker.replay, "replay", cached=False, on_ranks=True)
+prompt = _stage(Worker.prompt, "prompt", cached=False, on_ranks=True)
+optimizer = _stage(Worker.optimizer, "optimizer", cached=False, on_ranks=True)
 
 
 def configured(stage: Task, cfg: TrainConfig) -> Task:
-    """The stage's task with this run's result storage and retry settings."""
+    """The stage's task with this run's result storage and retry settings (none for ops on several ranks)."""
     p = cfg.pipeline
+    retries = 0 if stage.on_ranks and p.nproc > 1 else p.retries
     return stage.with_options(
         result_storage=Path(cfg.run_dir).resolve() / "prefect-results",
-        retries=p.retries,
-        retry_delay_seconds=exponential_backoff(p.retry_delay_seconds) if p.retries else 0,
+        retries=retries,
+        retry_delay_seconds=exponential_backoff(p.retry_delay_seconds) if retries else 0,
     )

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ..models.protocol import PrefixLM
 from ..parallel import SequenceParallel
-from ..state import LayerState, PrefixState, PrefixView, Segment
+from ..state import LayerState, PrefixState, PrefixView, Segment, boundary_states
 from .checks import as_ids
 
 DEFAULT_CHUNK = 2048
@@ -87,17 +87,32 @@ def capture(
     *,
     progress: bool = False,
     parallel: SequenceParallel | None = None,
+    boundary_every: int | None = None,
 ) -> PrefixState:
     """State of `prompt[:-1]` per layer, computed chunk by chunk without autograd (this rank's shard of it, with
-    `parallel`; every rank of the group passes the same prompt)."""
-    return capture_checked(model, check_prompt(model, prompt_ids, parallel), chunk_size, progress, parallel)
+    `parallel`; every rank of the group passes the same prompt).
+
+    `boundary_every=k` also keeps exact mode's boundary states at the start of chunks 0, k, 2k, ... (those this
+    rank owns) in `state.boundaries`, so that a stored state can run the prompt backward without a recapture.
+    """
+    prompt = check_prompt(model, prompt_ids, parallel)
+    return capture_checked(model, prompt, chunk_size, progress, parallel, boundary_every=boundary_every)
 
 
 @torch.no_grad()
 def capture_checked(model: PrefixLM, prompt: torch.Tensor, chunk_size: int, progress: bool = False,
-                    parallel: SequenceParallel | None = None) -> PrefixState:
+                    parallel: SequenceParallel | None = None, *, boundary_every: int | None = None) -> PrefixState:
     """`capture` of a prompt that `check_prompt` has already checked (its checks are collectives with `parallel`)."""
+    if boundary_every is not None and (isinstance(boundary_every, bool) or not isinstance(boundary_every, int)
+                                       or boundary_every < 1):
+        raise ValueError(f"boundary_every must be an integer >= 1 (keep every k-th chunk's boundary states) or None "
+                         f"(keep none), got {boundary_every!r}")
     state = empty_state(model, prompt, chunk_size, parallel)
-    for s, e in tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False):
+    if boundary_every is not None:
+        state.boundary_every = boundary_every
+    for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
+        # as exact mode's capture keeps them (global chunk index, owner only), before the chunk moves the state on
+        if boundary_every is not None and i % boundary_every == 0 and state.owns(s):
+            state.boundaries[i] = boundary_states(state.layers)
         store_chunk(state, s, run_chunk(model, state, s, e, parallel=parallel))
     return state

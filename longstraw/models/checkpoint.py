@@ -1,5 +1,5 @@
 """HF checkpoint directories (config.json plus model.safetensors, or a sharded safetensors index): `load_model`
-reads them, `write_weights` writes them. Never pickle."""
+reads them, `write_weights` (or `write_state_dict`) writes them. Never pickle."""
 
 from __future__ import annotations
 
@@ -135,9 +135,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 def write_weights(model: nn.Module, directory: str | Path) -> None:
     """config.json + model.safetensors in `directory`: the layout `load_model` (and transformers) read."""
+    write_state_dict(model.state_dict(), model.config, directory)
+
+
+def write_state_dict(state: dict[str, torch.Tensor], config, directory: str | Path) -> None:
+    """`write_weights` from a full state dict and the model's config: for weights the model does not hold whole
+    on this process (FSDP: gathered to rank 0 by the checkpoint writer)."""
     directory = Path(directory)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(model.config.raw, indent=2))
+    (directory / "config.json").write_text(json.dumps(config.raw, indent=2))

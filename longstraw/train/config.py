@@ -40,12 +40,47 @@ class StoreConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    replay_concurrency: int = Field(2, ge=1, description="replay tasks run at once (threads of this process)")
-    branches_per_task: int = Field(1, ge=1, description="branches one replay task replays")
-    retries: int = Field(2, ge=0, description="retries of a stage on a transient error")
+    """How a run is spread over processes, and what it keeps.
+
+    A run is one SPMD job of `nproc` ranks (torchrun; gloo on CPU, NCCL on GPU) that keep the model and the
+    optimizer resident from start to end: ranks form `nproc // sp` data-parallel groups of `sp` sequence-parallel
+    ranks; each group holds one copy of the prefix state (rank r of a group owns one contiguous token range) and
+    replays its share of the branches. `nproc: 1` is the same program on one process."""
+
+    nproc: int = Field(1, ge=1, description="ranks of the run (torchrun --nproc-per-node); `longstraw train --nproc`")
+    sp: int | None = Field(None, ge=1, description="sequence-parallel group size C (ranks sharing one prefix state); "
+                           "default nproc; nproc // sp data-parallel groups split each group's branches")
+    branches_per_task: int = Field(1, ge=1, description="branches one data-parallel group replays per replay task")
+    checkpoint_every: int = Field(1, ge=1, description="commit a checkpoint every this many steps (and after the "
+                                  "last); a resume restarts from the latest one, recomputing the steps after it")
+    retries: int = Field(2, ge=0, description="retries of a stage on a transient I/O error (rank-0 stages; every "
+                         "stage at nproc 1: a failed rank ends an SPMD job, and `longstraw resume` continues it)")
     retry_delay_seconds: float = Field(2.0, ge=0, description="first retry delay; doubles each retry")
-    keep_gradients: bool = Field(False, description="keep the per-task gradient files once the checkpoint they "
-                                 "went into is committed (they are as large as the model, per task)")
+    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed timeout of the ranks' "
+                                        "collectives: a rank that stops answering fails the job after this long")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gone(cls, data):
+        for key, why in (("replay_concurrency", "replay runs on the run's resident ranks (set nproc / sp)"),
+                         ("keep_gradients", "gradients accumulate in memory; no gradient files are written")):
+            if isinstance(data, dict) and key in data:
+                raise ValueError(f"pipeline.{key} is no longer an option: {why}; remove it from the config")
+        return data
+
+    @model_validator(mode="after")
+    def _mesh(self) -> "PipelineConfig":
+        if self.nproc % self.sequence_parallel:
+            raise ValueError(f"pipeline.nproc {self.nproc} is not a multiple of pipeline.sp {self.sp}")
+        return self
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.sp or self.nproc
+
+    @property
+    def data_parallel(self) -> int:
+        return self.nproc // self.sequence_parallel
 
 
 class TrackingConfig(_Strict):
@@ -98,6 +133,17 @@ class TrainConfig(_Strict):
             raise ValueError("set exactly one of `task` (a built-in task) or `dataset` (a JSONL file)")
         if self.dataset is not None and self.reward is None:
             raise ValueError("a dataset needs a `reward` (e.g. exact_match, number_match or module:function)")
+        p = self.pipeline
+        if p.nproc > 1 and self.mode == "naive":
+            raise ValueError("mode naive is the one-process reference (every branch recomputes the prompt); run it "
+                             "with pipeline.nproc 1, or use exact mode on several ranks")
+        if self.responses % p.data_parallel:
+            raise ValueError(f"responses {self.responses} do not split evenly over the {p.data_parallel} "
+                             f"data-parallel groups (pipeline.nproc {p.nproc} / sp {p.sequence_parallel}); use a "
+                             f"multiple of {p.data_parallel}")
+        if self.optim.zero_stage and p.nproc == 1:
+            raise ValueError(f"optim.zero_stage {self.optim.zero_stage} shards over several ranks; set "
+                             "pipeline.nproc > 1 or zero_stage 0")
         return self
 
     @property

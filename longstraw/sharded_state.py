@@ -1,0 +1,167 @@
+"""A prefix state sharded over a sequence-parallel group, stored as one zarr group per rank.
+
+Layout at `url` (a local path or any fsspec URL):
+
+    shard-000/, shard-001/, ...   rank r's part, a committed zarr group as `store.save_state` writes one
+                                  (its own manifest.json with the crc32c of every file): the rows [a, b) of each
+                                  per-token layer, the whole prompt's fixed-size layers, prompt_ids, and the exact
+                                  mode's boundary states of its own chunks (`boundaries/{chunk}/{layer}/{field}`)
+    manifest.json                 written last, by rank 0: the commit marker
+
+Why: each shard has exactly one writer, the rank that owns those tokens, so the ranks write in parallel and no
+rank ever holds (or sends) another's rows. A shard is committed atomically on its own; the whole state exists
+only once rank 0 has gathered every owner's record and written the top manifest. `uncommit` removes that marker
+before the owners rewrite their shards, so a capture killed halfway never leaves an old top manifest pointing at
+half-rewritten shards. The top manifest's sha256 (`store.manifest_digest`) is what a stage hands on: it covers
+each shard manifest's sha256, which covers each file's crc32c, so one digest pins every byte.
+Boundary states are stored (unlike `store.save_state`) so that a loaded shard can run exact mode's prompt
+backward without recapturing the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import torch
+import zarr
+from torch import nn
+
+from .files import CorruptArtefact
+from .state import STATE_KINDS, LayerState, PrefixState
+from .store import (MANIFEST, _ChecksumStore, _dtype, _to_torch, _write_committed, _write_manifest, _write_tensor,
+                    _zarr_store, manifest_digest, read_manifest)
+
+SHARDED_FORMAT = ("longstraw.sharded_prefix_state", 1)
+SHARD_FORMAT = ("longstraw.prefix_state_shard", 1)
+
+
+def shard_url(url: str, rank: int) -> str:
+    return f"{url.rstrip('/')}/shard-{rank:03d}"
+
+
+def uncommit(url: str, storage_options: dict | None = None) -> None:
+    """Remove the top manifest (if any): from here until `commit_sharded_state` no state exists at `url`."""
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    if fs.exists(f"{path}/{MANIFEST}"):
+        fs.rm_file(f"{path}/{MANIFEST}")
+
+
+def _write_layer(group: zarr.Group, layer: LayerState, shard_tokens: int | None) -> dict:
+    arrays = {name: _write_tensor(group, name, t, shard_tokens) for name, t in layer.named_tensors().items()}
+    return {"kind": layer.kind, "arrays": arrays}
+
+
+def save_state_shard(state: PrefixState, url: str, rank: int, *, weights_version: str, shard_tokens: int = 65536,
+                     storage_options: dict | None = None) -> dict:
+    """Write this rank's part of `state` at `shard_url(url, rank)`, committed atomically (the owner only).
+
+    Returns the record rank 0 needs to commit: {"rank", "range": [a, b], "sha256": digest of the shard manifest}.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    a, b = state.shard or (0, state.length)
+    for i, layer in enumerate(state.layers):
+        if layer.token_axis is not None and (rows := layer.tensors()[0].shape[-2]) != b - a:
+            raise ValueError(f"layer {i} holds {rows} rows, but the state's shard {a, b} has {b - a}")
+
+    def write(root: zarr.Group) -> dict:
+        prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
+        layers = [_write_layer(root.require_group(f"layers/{i}"), layer,
+                               None if layer.token_axis is None else shard_tokens)  # fixed-size: one chunk
+                  for i, layer in enumerate(state.layers)]
+        boundaries = {str(c): {str(j): _write_layer(root.require_group(f"boundaries/{c}/{j}"), s, None)
+                               for j, s in sorted(states.items())}
+                      for c, states in sorted(state.boundaries.items())}
+        name, version = SHARD_FORMAT
+        return {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
+                "weights_version": weights_version, "shard_tokens": shard_tokens, "length": state.length,
+                "rank": rank, "range": [a, b], "prompt_ids": prompt, "chunks": [list(c) for c in state.chunks],
+                "layers": layers, "boundary_every": state.boundary_every, "boundaries": boundaries}
+
+    manifest = _write_committed(shard_url(url, rank), storage_options, write)
+    return {"rank": rank, "range": [a, b], "sha256": manifest_digest(manifest)}
+
+
+def commit_sharded_state(url: str, shards: list[dict], *, state: PrefixState, weights_version: str,
+                         storage_options: dict | None = None, extra: dict | None = None) -> dict:
+    """Rank 0, once every owner's `save_state_shard` returned: check that their ranges tile [0, state.length) in
+    rank order, then write the top manifest, the commit marker. Returns it (`manifest_digest` of it is the hand-over
+    digest)."""
+    end = 0
+    for r, record in enumerate(shards):
+        a, b = record["range"]
+        if record["rank"] != r or a != end or b < a:
+            raise ValueError(f"shard records do not tile [0, {state.length}) in rank order: record {r} is rank "
+                             f"{record['rank']} with range [{a}, {b}), expected rank {r} starting at {end}")
+        end = b
+    if end != state.length or not shards:
+        raise ValueError(f"shard records cover [0, {end}), not the state's [0, {state.length})")
+    name, version = SHARDED_FORMAT
+    manifest = {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
+                "weights_version": weights_version, "length": state.length,
+                "chunks": [list(c) for c in state.chunks], "shards": shards, "extra": extra or {}}
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    _write_manifest(fs, path, json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def read_sharded_manifest(url: str, storage_options: dict | None = None, digest: str | None = None) -> dict:
+    """The top manifest of the committed sharded state at `url` (see `store.read_manifest`)."""
+    return read_manifest(url, storage_options, SHARDED_FORMAT, "sharded prefix state", digest)
+
+
+def _check_model(manifest: dict, where: str, model: nn.Module, weights_version: str) -> None:
+    if manifest["model_fingerprint"] != model.config.fingerprint:
+        raise ValueError(f"prefix state at {where} was captured with another model (architecture fingerprint "
+                         f"{manifest['model_fingerprint']} != this model's {model.config.fingerprint})")
+    if manifest["weights_version"] != weights_version:
+        raise ValueError(f"prefix state at {where} was captured with other weights (weights_version "
+                         f"{manifest['weights_version']} != {weights_version})")
+
+
+def load_state_shard(url: str, rank: int, ranks: int, *, model: nn.Module, weights_version: str,
+                     storage_options: dict | None = None, digest: str | None = None) -> PrefixState:
+    """Rank `rank`'s part of the committed sharded state at `url`, on the model's device, every file verified.
+
+    CorruptArtefact (`where` = `url`: drop the whole state and recapture) when the top manifest is not `digest`,
+    the shard's manifest not the one committed, or a file not the bytes written."""
+    url = url.rstrip("/")
+    top = read_sharded_manifest(url, storage_options, digest)
+    _check_model(top, url, model, weights_version)
+    if len(top["shards"]) != ranks:
+        raise ValueError(f"prefix state at {url} was stored by {len(top['shards'])} sequence-parallel ranks, not "
+                         f"{ranks}; run with the same sequence-parallel size, or delete the state to recapture it")
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} is not one of the {ranks} ranks")
+    record, where = top["shards"][rank], shard_url(url, rank)
+    try:  # any corruption below invalidates the whole state: report the top url, the artefact to recompute
+        manifest = read_manifest(where, storage_options, SHARD_FORMAT, "prefix state shard", record["sha256"])
+        store = _ChecksumStore(_zarr_store(where, storage_options, read_only=True), manifest["checksums"], where,
+                               verify=True, what="prefix state shard")
+        root = zarr.open_group(store, mode="r", zarr_format=3)
+        device = next(model.parameters()).device
+
+        def layer(name: str, spec: dict) -> LayerState:
+            if spec["kind"] not in STATE_KINDS:
+                raise ValueError(f"prefix state shard at {where}: {name} has unknown state kind {spec['kind']!r}; "
+                                 f"known: {', '.join(STATE_KINDS)}")
+            tensors = {f: read(f"{name}/{f}", s) for f, s in spec["arrays"].items()}
+            return STATE_KINDS[spec["kind"]].from_tensors(tensors)
+
+        def read(name: str, spec: dict) -> torch.Tensor:
+            array = root[name]
+            if list(array.shape) != spec["shape"] or array.attrs.get("torch_dtype") != spec["dtype"]:
+                raise ValueError(f"prefix state shard at {where}: array {name} does not match the manifest")
+            return _to_torch(array[...], _dtype(spec["dtype"]), device)
+
+        prompt_ids = read("prompt_ids", manifest["prompt_ids"])
+        layers = [layer(f"layers/{i}", spec) for i, spec in enumerate(manifest["layers"])]
+        boundaries = {int(c): {int(j): layer(f"boundaries/{c}/{j}", spec) for j, spec in states.items()}
+                      for c, states in manifest["boundaries"].items()}
+    except CorruptArtefact as e:
+        raise CorruptArtefact(str(e), url) from e
+    a, b = manifest["range"]
+    chunks = [tuple(c) for c in manifest["chunks"]]
+    return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
+                       shard=(a, b) if ranks > 1 else None, boundary_every=manifest["boundary_every"])

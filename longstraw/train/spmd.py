@@ -1,0 +1,287 @@
+"""The training run as one SPMD program: rank 0 drives, every rank executes.
+
+`longstraw train --nproc N` starts N ranks with torchrun. Every rank builds one `Worker` (worker.py) that keeps
+the model and the optimizer resident for the whole run. Rank 0 also runs the orchestration (the Prefect flow);
+each stage it runs is an op: rank 0 broadcasts it as a JSON command (`Driver.call`), every rank executes it on
+its resident model with the same arguments (`execute`), and rank 0 gets every rank's small JSON result. The ops'
+own collectives (attention merges, FSDP gathers, gradient sums) run over the compute process group; commands and
+results over a separate gloo group, whose long timeout lets the ranks wait while rank 0 does rank-0-only work
+(rewards, tracking). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
+moves the bytes. At N = 1 the same ops run in-process without any of it.
+
+Failures. An error that every rank raises together (`Agreed`: bad or corrupted input found while loading, before
+any compute collective) is raised on rank 0 and the ranks go on serving, so the flow can handle it (e.g. drop a
+corrupted state and run the step again). Any other error on a rank ends the job: that rank prints it, records it
+under `<run_dir>/ranks/`, and tears down its process groups, so the others fail at once instead of waiting for the
+collective timeout; rank 0 raises `RankFailed` naming the rank and its error, ends its flow run and exits non-zero.
+Workers then exit 0 so that torchrun leaves rank 0 time to finish its bookkeeping; the job's exit status is rank
+0's. `longstraw resume` starts a fresh job from the stored state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..files import CorruptArtefact
+from ..parallel import SequenceParallel
+from ..parallel.objects import broadcast_json, gather_json
+from .config import TrainConfig
+
+CONTROL_TIMEOUT = timedelta(days=7)  # ranks wait this long for rank 0's next command
+
+
+class RankFailed(RuntimeError):
+    """A rank of the SPMD job failed; the job is over (resume continues it)."""
+
+
+class Agreed(Exception):
+    """An error every rank raised together (so the job can go on); `error` is what to raise on rank 0."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class Ranks:
+    """This process's place in the job: the sequence-parallel group (with its data-parallel groups) for the ops'
+    collectives, and the gloo group that carries commands and results."""
+
+    parallel: SequenceParallel
+    control: dist.ProcessGroup
+    rank: int
+    world: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, value):
+        return broadcast_json(value, 0, self.control)
+
+    def gather(self, value) -> list:
+        return gather_json(value, self.control)
+
+
+_RANKS: Ranks | None = None
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def init_ranks(cfg: TrainConfig) -> Ranks:
+    """Join the torchrun job (process groups with the configured timeout, the (dp, sp) mesh) once per process."""
+    global _RANKS
+    if _RANKS is not None:
+        return _RANKS
+    world = int(os.environ["WORLD_SIZE"])
+    p = cfg.pipeline
+    if world != p.nproc:
+        raise ValueError(f"torchrun started {world} ranks but the config says pipeline.nproc {p.nproc}; start it "
+                         f"with `longstraw train --nproc {world}` or set pipeline.nproc")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=p.collective_timeout_s))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if p.data_parallel == 1:
+        parallel = SequenceParallel()
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (p.data_parallel, p.sequence_parallel),
+                                mesh_dim_names=("dp", "sp"))
+        parallel = SequenceParallel.from_mesh(mesh)
+    _RANKS = Ranks(parallel, control, dist.get_rank(), world)
+    return _RANKS
+
+
+def current_ranks() -> Ranks | None:
+    """The job this process joined (None: one process, no torchrun)."""
+    return _RANKS
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process groups (which also makes peers blocked on us fail at once)."""
+    global _RANKS
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RANKS = None
+
+
+# ---- executing ops ----------------------------------------------------------------------------------------------
+
+def _errors_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.run_dir) / "ranks"
+
+
+def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error: BaseException) -> None:
+    where = ", ".join(f"{k} {params[k]}" for k in ("step", "group", "epoch") if k in params)
+    line = f"rank {ranks.rank} of {ranks.world} failed in {op}{f' ({where})' if where else ''}: " \
+           f"{type(error).__name__}: {error}"
+    print(f"longstraw: {line}", file=sys.stderr, flush=True)
+    d = _errors_dir(cfg)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"error-rank{ranks.rank:03d}.json").write_text(json.dumps(
+        {"rank": ranks.rank, "op": op, "message": line, "traceback": traceback.format_exc(), "time": time.time()}))
+
+
+def execute(worker, op: str, params: dict):
+    """Run `op` on this rank; with other ranks, gather every rank's result to rank 0 (merged there)."""
+    ranks = worker.ranks
+    fn = getattr(worker, op, None)
+    if op.startswith("_") or not callable(fn):
+        raise ValueError(f"unknown op {op!r}")
+    if ranks is None:
+        try:
+            return fn(**params)
+        except Agreed as e:
+            raise e.error from None
+    try:
+        out = fn(**params)
+        results = ranks.gather(out)
+    except Agreed:
+        raise
+    except BaseException as e:
+        _record_failure(worker.cfg, ranks, op, params, e)
+        shutdown()  # peers blocked on this rank fail now, not after the collective timeout
+        raise RankFailed(str(e)) from e
+    return merge(results) if ranks.leader else None
+
+
+def merge(results: list[dict]) -> dict:
+    """Rank 0's result, with the largest peak memory of all ranks and each rank's peak and seconds."""
+    out = dict(results[0])
+    if all("peak_bytes" in r for r in results):
+        out["peak_bytes"] = max(r["peak_bytes"] for r in results)
+        out["per_rank_peak_bytes"] = [r["peak_bytes"] for r in results]
+    if all("seconds" in r for r in results):
+        out["per_rank_seconds"] = [r["seconds"] for r in results]
+    return out
+
+
+def agree(ranks: Ranks | None, fn):
+    """fn() on every rank; if it raised on any rank, raise `Agreed` (the first rank's error) on all of them.
+    For checks before compute collectives, so that bad input is an error on every rank and nothing hangs."""
+    err: BaseException | None = None
+    value = None
+    try:
+        value = fn()
+    except (ValueError, OSError, KeyError) as e:
+        err = e
+    if ranks is None:
+        if err is not None:
+            raise err
+        return value
+    records = ranks.gather(None if err is None else {"type": type(err).__name__, "message": str(err),
+                                                     "where": getattr(err, "where", None), "rank": ranks.rank})
+    first = next((r for r in records if r is not None), None)
+    if first is not None:
+        raise Agreed(err if err is not None and first["rank"] == ranks.rank else _rebuild(first))
+    return value
+
+
+def _rebuild(record: dict) -> BaseException:
+    msg = f"{record['message']} (rank {record['rank']})"
+    if record["type"] == "CorruptArtefact":
+        return CorruptArtefact(msg, record["where"])
+    if record["type"] in ("FileNotFoundError", "OSError"):
+        return FileNotFoundError(msg)
+    return ValueError(msg)
+
+
+class Driver:
+    """Rank 0's handle on the job: `call(op, **params)` runs an op on every rank and returns the merged result."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self._lock = threading.Lock()  # one op at a time: every rank must see the same sequence
+        self._failed: RankFailed | None = None
+
+    def call(self, op: str, **params) -> dict:
+        with self._lock:
+            if self._failed is not None:
+                raise RankFailed(f"the job stopped earlier ({self._failed}); `longstraw resume` continues the run")
+            ranks = self.worker.ranks
+            started = time.time()
+            try:
+                if ranks is not None:
+                    ranks.broadcast({"op": op, "params": params})
+                return execute(self.worker, op, params)
+            except Agreed as e:
+                raise e.error from None
+            except (RankFailed, RuntimeError) as e:
+                if ranks is None:
+                    raise
+                self._failed = RankFailed(self._who_failed(started) or str(e))
+                shutdown()
+                raise self._failed from e
+
+    def _who_failed(self, since: float) -> str | None:
+        """The failure another rank recorded during this op (it tore down the groups: our error is only 'peer
+        closed'). Waits a moment for its record."""
+        d = _errors_dir(self.worker.cfg)
+        for _ in range(20):
+            found = sorted(d.glob("error-rank*.json")) if d.is_dir() else []
+            records = [r for f in found if (r := json.loads(f.read_text()))["time"] >= since - 1]
+            if records:
+                return "; ".join(r["message"] for r in records) + " (the job stopped; `longstraw resume` continues it)"
+            time.sleep(0.1)
+        return None
+
+    def stop(self) -> None:
+        """Tell the other ranks to leave their loop (after the run, or after it failed)."""
+        with self._lock:
+            ranks = self.worker.ranks
+            if ranks is not None and self._failed is None and dist.is_initialized():
+                try:
+                    ranks.broadcast({"op": "stop"})
+                except RuntimeError:
+                    pass  # a peer is gone already
+
+
+def serve(worker) -> None:
+    """The loop of ranks 1..N-1: execute rank 0's commands until it says stop."""
+    ranks = worker.ranks
+    while True:
+        cmd = ranks.broadcast(None)
+        if cmd["op"] == "stop":
+            return
+        try:
+            execute(worker, cmd["op"], cmd["params"])
+        except Agreed:
+            continue  # every rank raised it; rank 0 handles it and sends the next command
+
+
+def clear_failures(cfg: TrainConfig) -> None:
+    d = _errors_dir(cfg)
+    for f in d.glob("error-rank*.json") if d.is_dir() else ():
+        f.unlink()
+
+
+# ---- launching --------------------------------------------------------------------------------------------------
+
+def launch(cfg: TrainConfig, progress: bool = True) -> int:
+    """Start the run on `pipeline.nproc` local ranks under torchrun (`flows.ranks` on each); returns its exit
+    status. Threads per rank: `threads`, or the cores divided among the ranks."""
+    n = cfg.pipeline.nproc
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "--monitor-interval=0.5", "-m", "flows.ranks", "--config-json", cfg.model_dump_json()]
+    if not progress:
+        cmd.append("--no-progress")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, env=env).returncode

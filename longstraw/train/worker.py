@@ -1,0 +1,341 @@
+"""`Worker`: what one rank of a training run keeps resident from start to end, and the ops it runs.
+
+The model and the optimizer are loaded once per worker start (`start`: the run's latest checkpoint, verified once)
+and stay resident. Each op is one stage of a GRPO step, run by every rank with the same arguments (spmd.py):
+capture, rollout, reference, replay, prompt (exact mode's prompt backward), optimizer. What an op hands on is
+small JSON (URLs and digests of stored artefacts, metrics); what the next ops of the same step need in memory
+stays in memory:
+
+- gradients accumulate in `param.grad` (FSDP: the rank's shard) over every replay and prompt op of an update;
+  dLoss/dState of a group accumulates over its replay ops in `self._dstate` and is consumed by its prompt op;
+- the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing.
+
+What resume needs is stored, and nothing model-sized per op: prefix-state shards (each written by the rank that
+owns its tokens; sharded_state.py), rollouts, references, and checkpoints every `pipeline.checkpoint_every`
+steps (sharded, checkpoint.py). A resume after a failure in replay or the prompt backward loads the stored state
+and rollout (never recaptures) and replays the step's branches again: at the same N the sums run in the same
+order, so the weights end bitwise equal to an uninterrupted run.
+
+Weights are named by a lineage id (`weights_version`): update 0's is the content digest of its checkpoint; each
+update hashes its parent's id with its number. A step's cached stages key on it, so they stay valid for the same
+weights whether or not that update was checkpointed (a resume recomputes the same updates in the same order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..config import torch_dtype
+from ..data import check_vocab, load_tokenizer
+from ..engine.backward import (_sum_over_branch_groups, boundary_interval, naive_backward, prompt_backward,
+                               replay_backward)
+from ..engine.capture import capture
+from ..engine.replay import score
+from ..files import remove_stale_temporaries
+from ..grpo import token_weights
+from ..memory import PeakMeter, free_bytes
+from ..models import build_model, load_model
+from ..parallel import balanced_ranges, is_sharded, shard_model
+from ..rollout import rollout
+from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
+from ..state import PrefixState
+from ..store import manifest_digest, save_rollout
+from .artifacts import load_json, load_tensors, save_tensors
+from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
+from .config import TrainConfig
+from .data import example_seed
+from .optim import build_optimizer, optimizer_step
+from .spmd import Ranks, agree
+from .stages import example_record, load_rollout, make_prompt
+
+Grad = dict  # dState: one buffer per layer (PrefixState.grad_buffer())
+
+
+def next_version(version: str, update: int) -> str:
+    """The lineage id of the weights after `update` (1-based) applied to those named `version`."""
+    return hashlib.sha256(f"{version}|update {update}".encode()).hexdigest()
+
+
+class Worker:
+    def __init__(self, cfg: TrainConfig, ranks: Ranks | None = None) -> None:
+        self.cfg, self.ranks = cfg, ranks
+        self.parallel = None if ranks is None else ranks.parallel
+        self.model: nn.Module | None = None
+        self.optim: torch.optim.Optimizer | None = None  # the AdamW (its op is `optimizer`)
+        self.update, self.weights_version = 0, ""
+        self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
+        self._reference: nn.Module | None = None
+        self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
+        self._dstate: dict[tuple[int, int], Grad] = {}
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+
+    # ---- the rank's place ---------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        if self.ranks is not None and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def _sp_rank(self) -> tuple[int, int]:
+        """(this rank's index in its sequence-parallel group, the group's size)."""
+        return (0, 1) if self.parallel is None else (self.parallel.rank, self.parallel.size)
+
+    @property
+    def _writes_shards(self) -> bool:
+        """The first data-parallel group writes the state (every group holds the same copy)."""
+        return self.parallel is None or self.parallel.dp_rank == 0
+
+    @property
+    def _leader(self) -> bool:
+        return self.ranks is None or self.ranks.leader
+
+    def _agree(self, fn):
+        return agree(self.ranks, fn)
+
+    def _barrier_gather(self, value) -> list:
+        return [value] if self.ranks is None else self.ranks.gather(value)
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        if self.cfg.optim.zero_stage >= 2:
+            shard_model(model, self.cfg.optim.zero_stage, self.parallel)
+        return model.eval()
+
+    def _check_weights(self, weights: str) -> None:
+        if weights != self.weights_version:
+            raise ValueError(f"the ranks hold weights {self.weights_version[:12]} (update {self.update}) but the stage "
+                             f"asks for {weights[:12]}; resume the run (`longstraw resume <run dir>`)")
+
+    # ---- ops ------------------------------------------------------------------------------------------------------
+    def start(self) -> dict:
+        """Load the run's latest checkpoint (or make update 0 from the configured model) and keep it resident."""
+        cfg, paths = self.cfg, self.cfg.paths()
+        if self._leader:
+            remove_stale_temporaries(paths.checkpoints)  # a kill mid-commit leaves one; the run lock makes it safe
+        latest = (self.ranks.broadcast(str(p) if (p := latest_checkpoint(paths.checkpoints)) else None)
+                  if self.ranks is not None else latest_checkpoint(paths.checkpoints))
+        dtype = torch_dtype(cfg.dtype)
+        factory = lambda m: build_optimizer(m, cfg.optim)  # noqa: E731
+        if latest is None:
+            torch.manual_seed(cfg.seed)
+            model = (load_model(cfg.model.path, dtype=dtype, device=self.device) if cfg.model.path
+                     else build_model(cfg.model.random, dtype, self.device))
+            tok = load_tokenizer(cfg.tokenizer)
+            check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+            self.model = self._prepare(model)
+            self.optim = factory(self.model)
+            latest = save_checkpoint(paths.checkpoint(0), self.model, self.optim, update=0, step=0, extra={})
+            meta = read_trainer(latest)  # verified as written
+        else:
+            self.model, self.optim, meta = load_checkpoint(latest, factory, dtype, prepare=self._prepare,
+                                                               device=self.device)
+        self.model_loads += 1
+        self.update, self.weights_version = meta["update"], meta["weights_version"]
+        self._state, self._dstate = None, {}
+        ref = None
+        if cfg.grpo.kl_coef > 0:  # the KL reference: update 0's weights
+            ref = meta if self.update == 0 else read_trainer(paths.checkpoint(0))
+        return {"checkpoint": str(latest), "update": self.update, "weights_version": self.weights_version,
+                "ref_weights": None if ref is None else ref["weights_version"], "model_loads": self.model_loads}
+
+    def capture(self, weights: str, step: int, group: int, epoch: int) -> dict:
+        """Capture the group's prompt and store its prefix state: each owner writes its token range's shard."""
+        cfg = self.cfg
+        self._check_weights(weights)
+        prompt, ex = make_prompt(cfg, step, group, self.model.config.vocab_size)
+        url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
+        rank, ranks = self._sp_rank
+        if self._leader:
+            uncommit(url, cfg.store.storage_options)  # before any shard is rewritten
+        with PeakMeter(self.device) as m:
+            state = capture(self.model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel,
+                            boundary_every=self._boundary_every(prompt.numel()) if cfg.mode == "exact" else None)
+            mine = (save_state_shard(state, url, rank, weights_version=weights, shard_tokens=cfg.store.shard_tokens,
+                                     storage_options=cfg.store.storage_options) if self._writes_shards else None)
+        shards = [s for s in self._barrier_gather(mine) if s is not None]  # every owner has committed its shard
+        digest = None
+        if self._leader:
+            manifest = commit_sharded_state(url, shards, state=state, weights_version=weights,
+                                            storage_options=cfg.store.storage_options,
+                                            extra={"example": example_record(ex)})
+            digest = manifest_digest(manifest)
+        if self.ranks is not None:
+            digest = self.ranks.broadcast(digest)
+        self._state = (url, digest, state)
+        return {"url": url, "sha256": digest, "weights_version": weights, "prompt_tokens": prompt.numel(),
+                "state_bytes": state.nbytes, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
+                "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
+
+    def rollout(self, weights: str, state: dict, step: int, group: int) -> dict:
+        """Sample G answers from the prefix state (shared by all branches) and store them (rank 0)."""
+        cfg = self.cfg
+        self._check_weights(weights)
+        tok = load_tokenizer(cfg.tokenizer)
+        prefix = self._load(state)
+        with PeakMeter(self.device) as m:
+            samples = rollout(self.model, prefix, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
+                              seed=example_seed(cfg.seed, step, group), parallel=self.parallel)
+        lengths = [s.tokens.numel() for s in samples]
+        out = {"responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
+               "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
+        if self._leader:
+            example = read_sharded_manifest(state["url"], cfg.store.storage_options)["extra"].get("example")
+            meta = {"finish_reasons": [s.finish_reason for s in samples],
+                    "texts": [tok.decode(s.tokens.tolist()) for s in samples], "example": example}
+            url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
+            manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
+                                    storage_options=cfg.store.storage_options)
+            out |= {"path": url, "sha256": manifest_digest(manifest)}
+        return out
+
+    def reference(self, ref_weights: str, state: dict, rollout_ref: dict, step: int, group: int) -> dict:
+        """Log-probs of the sampled answers under the frozen initial weights (the KL term); the prompt's tokens
+        come from the stored state."""
+        cfg = self.cfg
+        model = self._reference_model(ref_weights)
+        prompt = self._load(state).prompt_ids
+        responses, _, _ = self._agree(lambda: load_rollout(cfg, rollout_ref))
+        with PeakMeter(self.device) as m:
+            ref_state = capture(model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel)
+            logps = score(model, ref_state, responses, cfg.grpo.branch_batch, parallel=self.parallel)
+        out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
+        if self._leader:
+            path = str(cfg.paths().step(step) / f"reference-g{group:03d}.safetensors")
+            out |= {"path": path, "sha256": save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)})}
+        return out
+
+    def replay(self, weights: str, state: dict, rollout_ref: dict, reward_ref: dict, reference_ref: dict | None,
+               step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
+        """Replay one slice of branches per data-parallel group (`branches[d]` for group d) with autograd on the
+        prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory."""
+        cfg = self.cfg
+        self._check_weights(weights)
+        if len(branches) != (dp := 1 if self.parallel is None else self.parallel.dp_size):
+            raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
+
+        def inputs():
+            responses, sample_logps, _ = load_rollout(cfg, rollout_ref)
+            record = load_json(reward_ref["path"], reward_ref["sha256"])
+            ref = (None if reference_ref is None else
+                   load_tensors(reference_ref["path"], reference_ref["sha256"]))
+            return responses, sample_logps, record, ref
+
+        responses, sample_logps, record, ref_t = self._agree(inputs)
+        prefix = self._load(state)  # naive mode too: its prompt is the stored one
+        mine = branches[0 if self.parallel is None else self.parallel.dp_rank]
+        pick = lambda xs: [xs[i] for i in mine]  # noqa: E731
+        weights_all = token_weights([r.numel() for r in responses], cfg.grpo)
+        adv = torch.tensor(pick(record["advantages"]), dtype=torch.float64)
+        old = pick(sample_logps) if cfg.epochs > 1 else None  # several epochs: ratios against the sampling policy
+        ref = None if ref_t is None else [ref_t[f"logprobs.{i}"] for i in mine]
+        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+        with PeakMeter(self.device) as m:
+            if cfg.mode == "naive":
+                naive_backward(self.model, prefix.prompt_ids, pick(responses), adv, pick(weights_all), cfg.grpo, old, ref,
+                               totals)
+            else:
+                grad = (self._dstate.setdefault((group, epoch), prefix.grad_buffer())
+                        if cfg.mode == "exact" else None)
+                replay_backward(self.model, prefix, pick(responses), adv, pick(weights_all), cfg.grpo, old, ref,
+                                grad, totals, mode=cfg.mode, parallel=self.parallel)
+        if self.parallel is not None and self.parallel.dp_size > 1:  # the whole group's statistics on every rank
+            t = torch.tensor(list(totals.values()), dtype=torch.float64, device=self.parallel.device)
+            totals = dict(zip(totals, self.parallel.dp_sum_(t).tolist()))
+        tokens = sum(responses[i].numel() for s in branches for i in s)
+        return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
+                "tokens_per_s": tokens / max(m.seconds, 1e-9)}
+
+    def prompt(self, weights: str, state: dict, step: int, group: int, epoch: int) -> dict:
+        """Exact mode: back-propagate the group's summed dLoss/dState through the prompt, chunk by chunk (every
+        chunk recomputed from the stored boundary states)."""
+        self._check_weights(weights)
+        grad = self._dstate.pop((group, epoch), None)
+        if grad is None:
+            raise ValueError(f"no replay of step {step} group {group} epoch {epoch} ran on these ranks since they "
+                             "started: run the group's replay tasks first")
+        prefix = self._load(state)
+        with PeakMeter(self.device) as m:
+            if self.parallel is not None and self.parallel.dp_size > 1:
+                _sum_over_branch_groups(grad, self.parallel)
+            # a copy of the boundary table: the backward consumes it, the resident state keeps it
+            prompt_backward(self.model, replace(prefix, boundaries=dict(prefix.boundaries)), grad, {},
+                            parallel=self.parallel)
+        return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
+                "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
+
+    def optimizer(self, weights: str, update: int, step: int, record: dict) -> dict:
+        """Sum the accumulated gradients over the data-parallel groups (FSDP did while reducing), clip, AdamW
+        step; commit a checkpoint at the end of every `checkpoint_every`-th step and of the run's last update.
+        `record` (the step's metrics so far) goes into the checkpoint, so a kill after the commit loses no record."""
+        cfg = self.cfg
+        self._check_weights(weights)
+        if self._dstate:
+            raise ValueError(f"prompt backward of {sorted(self._dstate)} (group, epoch) did not run before the "
+                             "optimizer step")
+        t0 = time.perf_counter()
+        if self.parallel is not None and self.parallel.dp_size > 1 and not is_sharded(self.model):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    self.parallel.dp_sum_(p.grad)
+        stats = optimizer_step(self.model, self.optim, cfg.optim, update, cfg.updates)
+        self.update += 1
+        self.weights_version = next_version(self.weights_version, self.update)
+        self._state = None  # captured with the old weights
+        last_of_step = self.update % cfg.epochs == 0
+        checkpoint = None
+        if (last_of_step and (step + 1) % cfg.pipeline.checkpoint_every == 0) or self.update == cfg.updates:
+            path = save_checkpoint(cfg.paths().checkpoint(self.update), self.model, self.optim, update=self.update,
+                                   step=step, weights_version=self.weights_version,
+                                   extra={"skipped_update": bool(stats["skipped"]), "record": {**record, **stats}})
+            checkpoint = str(path)
+        return {"update": self.update, "weights_version": self.weights_version, "checkpoint": checkpoint, **stats,
+                "seconds": time.perf_counter() - t0}
+
+    # ---- state and models -----------------------------------------------------------------------------------------
+    def _load(self, ref: dict) -> PrefixState:
+        """The prefix state of a capture's result ({url, sha256}): resident if it was the last one used, else this
+        rank's shard read from the store (its manifest checked against the digest, every file's crc32c)."""
+        if self._state is not None and self._state[:2] == (ref["url"], ref["sha256"]):
+            return self._state[2]
+        rank, ranks = self._sp_rank
+        state = self._agree(lambda: load_state_shard(
+            ref["url"], rank, ranks, model=self.model, weights_version=self.weights_version,
+            storage_options=self.cfg.store.storage_options, digest=ref["sha256"]))
+        self._state = (ref["url"], ref["sha256"], state)
+        return state
+
+    def _reference_model(self, ref_weights: str) -> nn.Module:
+        """The KL reference (update 0's weights), loaded once per worker start and never stepped."""
+        if self._reference is None:
+            path = self.cfg.paths().checkpoint(0)
+            meta = self._agree(lambda: read_trainer(path))
+            if meta["weights_version"] != ref_weights:
+                raise ValueError(f"{path} holds weights {meta['weights_version'][:12]}, not the reference "
+                                 f"{ref_weights[:12]} the stage asks for")
+            model = load_model(path, dtype=torch_dtype(self.cfg.dtype), device=self.device)
+            self._reference = (shard_model(model, 3, self.parallel) if self.cfg.optim.zero_stage >= 2 else model)
+            self._reference.requires_grad_(False).eval()
+            self.model_loads += 1
+        return self._reference
+
+    def _boundary_every(self, prompt_tokens: int) -> int:
+        """Exact mode keeps the recurrent layers' state at every k-th chunk start of this rank's chunks: all of
+        them when they fit an eighth of free memory, else k = ceil(sqrt(chunks)) (one more no-grad forward)."""
+        cfg = self.cfg.grpo
+        if cfg.boundary_every:
+            return cfg.boundary_every
+        # the same k on every rank: that of the rank with the most chunks
+        chunks = max(-(-(b - a) // cfg.prompt_chunk) for a, b in balanced_ranges(prompt_tokens - 1, self._sp_rank[1]))
+        p = next(self.model.parameters())
+        fixed = sum(s.fixed_bytes for s in self.model.empty_state(0, p.dtype, torch.device("meta")))
+        free = free_bytes(self.device)
+        if self.parallel is not None:
+            free = self.parallel.agree_min(free)
+        return boundary_interval(chunks, fixed, free // 8)

@@ -1,0 +1,83 @@
+"""Test hooks for the multi-rank pipeline tests, loaded by every Python process (the torchrun launcher, every
+rank) whose PYTHONPATH starts with this directory. Nothing in the library knows about them.
+
+LONGSTRAW_TEST_COUNTS=<dir>: each rank appends one line per worker start ("start") and per model it loads or
+builds ("load") to <dir>/rank<RANK>.txt.
+LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>: that rank raises in that op of that step.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+WATCHED = ("longstraw.train.worker", "longstraw.train.checkpoint")
+
+
+def _note(what: str) -> None:
+    d = os.environ["LONGSTRAW_TEST_COUNTS"]
+    with open(os.path.join(d, f"rank{os.environ.get('RANK', '0')}.txt"), "a") as f:
+        f.write(what + "\n")
+
+
+def _counting(fn):
+    def wrapped(*a, **kw):
+        _note("load")
+        return fn(*a, **kw)
+    return wrapped
+
+
+def _patch(module) -> None:
+    if os.environ.get("LONGSTRAW_TEST_COUNTS"):
+        for name in ("load_model", "build_model"):
+            if hasattr(module, name):
+                setattr(module, name, _counting(getattr(module, name)))
+        if module.__name__ == "longstraw.train.worker":
+            start = module.Worker.start
+
+            def counted_start(self, *a, **kw):
+                _note("start")
+                return start(self, *a, **kw)
+
+            module.Worker.start = counted_start
+    fault = os.environ.get("LONGSTRAW_TEST_FAULT")
+    if fault and module.__name__ == "longstraw.train.worker":
+        op, step, rank = fault.split(":")
+        original = getattr(module.Worker, op)
+
+        def faulty(self, *a, **kw):
+            if kw.get("step") == int(step) and os.environ.get("RANK") == rank:
+                raise RuntimeError(f"injected {op} fault on rank {rank}")
+            return original(self, *a, **kw)
+
+        setattr(module.Worker, op, faulty)
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in WATCHED:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if os.environ.get("LONGSTRAW_TEST_COUNTS") or os.environ.get("LONGSTRAW_TEST_FAULT"):
+    sys.meta_path.insert(0, _Finder())

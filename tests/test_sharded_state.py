@@ -1,0 +1,264 @@
+"""Sharded prefix-state store: one zarr shard per sequence-parallel rank, with exact mode's boundary states.
+
+Round trips are bitwise (rows, fixed-size states, boundaries), and the exact prompt backward run from a loaded
+state, without recapturing, equals naive mode (fp64, 1e-10), in one process and on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import longstraw as ls
+from longstraw.engine.backward import prompt_backward, replay_backward
+from longstraw.files import CorruptArtefact
+from longstraw.grpo import token_weights
+from longstraw.parallel import SequenceParallel, balanced_ranges
+from longstraw.parallel.objects import gather_json
+from longstraw.sharded_state import (commit_sharded_state, load_state_shard, read_sharded_manifest,
+                                     save_state_shard, shard_url, uncommit)
+from longstraw.store import manifest_digest, weights_version
+from tests.conftest import flat_grad, rel_err, tiny_model
+from tests.parallel.launch import run_ranks
+
+PROMPT = 40  # a state of 39 tokens in chunks of 8: 5 chunks (one process), 3 + 3 over 2 ranks
+CHUNK = 8
+EVERY = 2
+LENGTHS = (5, 2, 7)
+ADV = [1.0, -0.3, -0.7]
+
+
+def group():
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 97, (PROMPT,), generator=g)
+    return prompt, [torch.randint(0, 97, (n,), generator=g) for n in LENGTHS]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
+
+
+def assert_same_state(a: ls.PrefixState, b: ls.PrefixState) -> None:
+    """Bitwise: every layer's tensors, the prompt, chunks, range, and the boundaries (same chunks, same tensors)."""
+    assert [type(x) for x in a.layers] == [type(y) for y in b.layers]
+    for x, y in zip(a.snapshot(), b.snapshot()):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and a.prompt_ids.dtype == b.prompt_ids.dtype
+    assert (a.chunks, a.shard, a.boundary_every, a.model_fingerprint) == (b.chunks, b.shard, b.boundary_every,
+                                                                        b.model_fingerprint)
+    assert sorted(a.boundaries) == sorted(b.boundaries)
+    for c in a.boundaries:
+        assert sorted(a.boundaries[c]) == sorted(b.boundaries[c])
+        for j, x in a.boundaries[c].items():
+            y = b.boundaries[c][j]
+            assert type(x) is type(y)
+            for s, t in zip(x.tensors(), y.tensors()):
+                assert s.dtype == t.dtype and s.shape == t.shape and torch.equal(bits(s), bits(t))
+
+
+def save_one(state: ls.PrefixState, url: str, wv: str) -> dict:
+    record = save_state_shard(state, url, 0, weights_version=wv, shard_tokens=16)
+    return commit_sharded_state(url, [record], state=state, weights_version=wv, extra={"step": 3})
+
+
+def exact_grad_from(model, state: ls.PrefixState, responses, parallel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(after the branches only, after the prompt backward too): exact mode run on a given state."""
+    cfg = ls.GRPOConfig(prompt_chunk=CHUNK)
+    model.zero_grad(set_to_none=True)
+    grad = state.grad_buffer()
+    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+    weights = token_weights([r.numel() for r in responses], cfg)
+    replay_backward(model, state, responses, torch.tensor(ADV, dtype=torch.float64), weights, cfg, None, None, grad,
+                    totals, parallel=parallel)
+    branches = flat_grad(model).clone()
+    prompt_backward(model, state, grad, {}, False, parallel)
+    return branches, flat_grad(model)
+
+
+def naive_grad(model, prompt, responses) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    ls.grpo_backward(model, prompt, responses, ADV, mode="naive")
+    return flat_grad(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_one_shard_round_trip_is_bitwise_with_boundaries(tmp_path, arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    prompt, responses = group()
+    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    assert sorted(state.boundaries) == [0, 2, 4] and state.boundary_every == EVERY
+    if arch == "qwen3_5":  # the Gated DeltaNet layers: 6 of 8 keep a boundary state
+        assert all(len(b) == 6 for b in state.boundaries.values())
+    wv = weights_version(model)
+    url = str(tmp_path / "state")
+    top = save_one(state, url, wv)
+    assert read_sharded_manifest(url) == top and top["extra"] == {"step": 3}
+    assert [s["range"] for s in top["shards"]] == [[0, 39]]
+    loaded = load_state_shard(url, 0, 1, model=model, weights_version=wv, digest=manifest_digest(top))
+    assert loaded.shard is None
+    assert_same_state(state, loaded)
+    for a, b in zip(ls.score(model, state, responses), ls.score(model, loaded, responses)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("source", ["captured", "loaded"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_exact_prompt_backward_from_stored_boundaries_equals_naive(tmp_path, arch, source):
+    """boundary_every=2: chunks 0, 2, 4 start from stored boundaries, 1 and 3 from regenerated ones."""
+    model = tiny_model(arch, dtype=torch.float64)
+    prompt, responses = group()
+    want = naive_grad(model, prompt, responses)
+    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    if source == "loaded":
+        wv = weights_version(model)
+        save_one(state, str(tmp_path / "state"), wv)
+        state = load_state_shard(str(tmp_path / "state"), 0, 1, model=model, weights_version=wv)
+    assert sorted(state.boundaries) == [0, 2, 4]
+    branches, exact = exact_grad_from(model, state, responses)
+    assert rel_err(exact, want) <= 1e-10
+    assert rel_err(branches, want) > 1e-3  # the prompt backward is what closes the gap
+
+
+def two_ranks(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    """Each rank captures its shard, writes it, rank 0 commits; each loads its own back and runs exact mode."""
+    sp = SequenceParallel()
+    model = tiny_model("qwen3_5", dtype=torch.float64)
+    prompt, responses = group()
+    wv = weights_version(model)
+    state = ls.capture(model, prompt, CHUNK, parallel=sp, boundary_every=EVERY)
+    if rank == 0:
+        uncommit(root)
+    dist.barrier()  # the old commit marker is gone before any owner rewrites its shard
+    record = save_state_shard(state, root, rank, weights_version=wv, shard_tokens=4)
+    records = gather_json(record)
+    if rank == 0:
+        commit_sharded_state(root, records, state=state, weights_version=wv)
+    dist.barrier()
+    loaded = load_state_shard(root, rank, world, model=model, weights_version=wv)
+    assert_same_state(state, loaded)
+    kept = torch.tensor(sorted(loaded.boundaries))  # before the prompt backward uses them up
+    branches, exact = exact_grad_from(model, loaded, responses, sp)
+    return {"grad": exact, "branches": branches, "boundaries": kept, "shard": torch.tensor(loaded.shard),
+            "range": torch.tensor(record["range"])}
+
+
+def test_two_ranks_write_their_own_shards_and_get_the_exact_gradient(tmp_path):
+    model = tiny_model("qwen3_5", dtype=torch.float64)
+    prompt, responses = group()
+    want = naive_grad(model, prompt, responses)
+    url = tmp_path / "state"
+    ranks = run_ranks(2, two_ranks, str(url), timeout=180)
+    ranges = balanced_ranges(PROMPT - 1, 2)  # [0, 20) and [20, 39): chunks 0-2 and 3-5
+    for r, out in enumerate(ranks):
+        assert out["shard"].tolist() == list(ranges[r]) == out["range"].tolist()
+        assert rel_err(out["grad"], want) <= 1e-10
+        assert torch.equal(out["grad"], ranks[0]["grad"])
+        assert rel_err(out["branches"], want) > 1e-3
+    # each rank kept the boundaries of its own chunks 0, 2, 4 (chunk 3, rank 1's first, regenerated from chunk 2)
+    assert ranks[0]["boundaries"].tolist() == [0, 2] and ranks[1]["boundaries"].tolist() == [4]
+    top = read_sharded_manifest(str(url))
+    assert [s["range"] for s in top["shards"]] == [list(r) for r in ranges]
+    for r in range(2):  # shard r is rank r's: its range, its rows only
+        shard = json.loads((Path(shard_url(str(url), r)) / "manifest.json").read_text())
+        assert shard["rank"] == r and shard["range"] == list(ranges[r])
+        k = next(layer for layer in shard["layers"] if layer["kind"] == "attention")["arrays"]["k"]
+        assert k["shape"][-2] == ranges[r][1] - ranges[r][0]
+        assert sorted(shard["boundaries"], key=int) == [str(c) for c in ranks[r]["boundaries"].tolist()]
+    assert not list(url.glob(".*.tmp-*"))  # no temporaries left
+
+
+# ---- refused input ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stored(tmp_path):
+    model = tiny_model("qwen3_5")
+    prompt, _ = group()
+    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    wv = weights_version(model)
+    url = str(tmp_path / "state")
+    return model, state, wv, url, save_one(state, url, wv)
+
+
+def test_flipped_byte_in_a_shard_file_is_named(stored):
+    model, _, wv, url, _ = stored
+    shard = json.loads((Path(shard_url(url, 0)) / "manifest.json").read_text())
+    j = next(j for j, s in shard["boundaries"]["2"].items())
+    key = next(k for k in shard["checksums"] if k.startswith(f"boundaries/2/{j}/") and "/c/" in k)
+    path = Path(shard_url(url, 0)) / key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptArtefact, match=f"{key}.*corrupted") as e:
+        load_state_shard(url, 0, 1, model=model, weights_version=wv)
+    assert e.value.where == url
+
+
+def test_edited_shard_manifest_is_refused(stored):
+    model, _, wv, url, _ = stored
+    path = Path(shard_url(url, 0)) / "manifest.json"
+    shard = json.loads(path.read_text())
+    shard["boundary_every"] = 1  # would make the backward look for boundaries that are not there
+    path.write_text(json.dumps(shard))
+    with pytest.raises(CorruptArtefact, match="not the one") as e:
+        load_state_shard(url, 0, 1, model=model, weights_version=wv)
+    assert e.value.where == url
+
+
+def test_top_manifest_digest_is_checked(stored):
+    model, _, wv, url, top = stored
+    assert load_state_shard(url, 0, 1, model=model, weights_version=wv, digest=manifest_digest(top)).length == 39
+    with pytest.raises(CorruptArtefact) as e:
+        load_state_shard(url, 0, 1, model=model, weights_version=wv, digest="0" * 64)
+    assert e.value.where == url
+
+
+def test_other_sequence_parallel_size_is_refused(stored):
+    model, _, wv, url, _ = stored
+    with pytest.raises(ValueError, match=r"stored by 1 sequence-parallel ranks, not 2.*same sequence-parallel size"):
+        load_state_shard(url, 0, 2, model=model, weights_version=wv)
+
+
+def test_uncommitted_state_does_not_exist(stored):
+    model, state, wv, url, _ = stored
+    uncommit(url)
+    uncommit(url)  # nothing to remove: no error
+    with pytest.raises(ValueError, match="no committed"):
+        load_state_shard(url, 0, 1, model=model, weights_version=wv)
+    other = str(Path(url).parent / "never")
+    save_state_shard(state, other, 0, weights_version=wv)  # a shard written, the state never committed
+    with pytest.raises(ValueError, match="no committed"):
+        read_sharded_manifest(other)
+
+
+def test_other_model_or_weights_are_refused(stored):
+    model, _, wv, url, _ = stored
+    with pytest.raises(ValueError, match="another model"):
+        load_state_shard(url, 0, 1, model=tiny_model("qwen3"), weights_version=wv)
+    with pytest.raises(ValueError, match="other weights"):
+        load_state_shard(url, 0, 1, model=model, weights_version=weights_version(tiny_model("qwen3_5", seed=1)))
+
+
+def test_commit_refuses_records_that_do_not_tile_the_prompt(stored):
+    _, state, wv, url, _ = stored
+    uncommit(url)
+    for records in ([{"rank": 0, "range": [0, 20], "sha256": ""}, {"rank": 1, "range": [22, 39], "sha256": ""}],
+                    [{"rank": 1, "range": [20, 39], "sha256": ""}, {"rank": 0, "range": [0, 20], "sha256": ""}],
+                    [{"rank": 0, "range": [0, 20], "sha256": ""}]):
+        with pytest.raises(ValueError, match=r"tile|cover"):
+            commit_sharded_state(url, records, state=state, weights_version=wv)
+    with pytest.raises(ValueError, match="no committed"):  # nothing was committed by the refused calls
+        read_sharded_manifest(url)
+
+
+def test_capture_refuses_a_bad_boundary_interval():
+    model = tiny_model("qwen3")
+    prompt, _ = group()
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="boundary_every must be an integer >= 1"):
+            ls.capture(model, prompt, CHUNK, boundary_every=bad)
+    assert ls.capture(model, prompt, CHUNK).boundaries == {}  # the default keeps none
