@@ -3,12 +3,14 @@ under torchrun, and `longstraw train` started under torchrun (infra/launch.sh) c
 
 Rank 0 runs the `grpo-train` flow, which drives the others; ranks 1..N-1 build their resident worker and execute
 rank 0's commands until it says stop (longstraw/train/spmd.py). Every rank leaves through `os._exit`: gloo's
-teardown at interpreter exit can turn a finished run into a crash. The job's exit status is rank 0's.
+teardown at interpreter exit can turn a finished run into a crash, so the exit handlers run first. The job's
+exit status is rank 0's.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 
@@ -38,9 +40,10 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
     except BaseException as e:  # noqa: BLE001 - printed here; the status goes to torchrun
         print(f"longstraw: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     finally:
+        spmd.shutdown()
+        atexit._run_exitfuncs()  # what a normal exit runs (Prefect stops its temporary server, MLflow flushes)
         sys.stdout.flush()
         sys.stderr.flush()
-        spmd.shutdown()
     os._exit(code)
 
 

@@ -203,6 +203,10 @@ def _rebuild(record: dict) -> BaseException:
     return ValueError(msg)
 
 
+def _peer_gone(message: str) -> bool:
+    return any(m in message for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 class Driver:
     """Rank 0's handle on the job: `call(op, **params)` runs an op on every rank and returns the merged result."""
 
@@ -237,8 +241,9 @@ class Driver:
         for _ in range(20):
             found = sorted(d.glob("error-rank*.json")) if d.is_dir() else []
             records = [r for f in found if (r := json.loads(f.read_text()))["time"] >= since - 1]
-            if records:
-                return "; ".join(r["message"] for r in records) + " (the job stopped; `longstraw resume` continues it)"
+            causes = [r for r in records if not _peer_gone(r["message"])]  # the others only saw a peer leave
+            if causes:
+                return "; ".join(r["message"] for r in causes) + " (the job stopped; `longstraw resume` continues it)"
             time.sleep(0.1)
         return None
 

@@ -20,7 +20,7 @@ from tests.flows.test_train_flow import config
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = Path(__file__).parent / "hooks"
-TIMEOUT = 600
+TIMEOUT = 300
 
 
 def _cli(args: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:

@@ -6,6 +6,7 @@ builds ("load") to <dir>/rank<RANK>.txt.
 LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>: that rank raises in that op of that step.
 """
 
+import functools
 import importlib.abc
 import importlib.util
 import os
@@ -21,6 +22,7 @@ def _note(what: str) -> None:
 
 
 def _counting(fn):
+    @functools.wraps(fn)
     def wrapped(*a, **kw):
         _note("load")
         return fn(*a, **kw)
@@ -35,6 +37,7 @@ def _patch(module) -> None:
         if module.__name__ == "longstraw.train.worker":
             start = module.Worker.start
 
+            @functools.wraps(start)
             def counted_start(self, *a, **kw):
                 _note("start")
                 return start(self, *a, **kw)
@@ -45,6 +48,7 @@ def _patch(module) -> None:
         op, step, rank = fault.split(":")
         original = getattr(module.Worker, op)
 
+        @functools.wraps(original)
         def faulty(self, *a, **kw):
             if kw.get("step") == int(step) and os.environ.get("RANK") == rank:
                 raise RuntimeError(f"injected {op} fault on rank {rank}")
