@@ -58,18 +58,10 @@ def _run(cfg: TrainConfig, progress: bool) -> int:
         return code
     from .train import grpo_train
 
+    from .report import report
+
     report(grpo_train(cfg.model_dump(mode="json"), progress=progress))
     return 0
-
-
-def report(out: dict) -> None:
-    rows = out["history"]
-    print(f"\n{'step':>4} {'reward':>7} {'acc':>6} {'loss':>9} {'grad':>7} {'len':>5} {'sec':>6}")
-    for h in rows:
-        print(f"{h['step']:>4} {h['reward_mean']:>7.3f} {h['accuracy']:>6.3f} {h['loss']:>9.4f} {h['grad_norm']:>7.3f} "
-              f"{h['response_len']:>5.1f} {h['step_seconds']:>6.1f}")
-    print(f"final checkpoint: {out['checkpoint']}\nMLflow run {out['mlflow_run_id']}; "
-          f"reward curve: {Path(out['run_dir']) / 'reward_curve.png'}")
 
 
 def _where(cfg: TrainConfig) -> None:

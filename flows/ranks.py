@@ -25,7 +25,7 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
     try:
         ranks = spmd.init_ranks(cfg)
         if ranks.leader:
-            from .cli import report
+            from .report import report
             from .train import grpo_train
 
             report(grpo_train(cfg.model_dump(mode="json"), progress=progress))

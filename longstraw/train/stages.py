@@ -50,7 +50,7 @@ def missing_artefacts(out: dict) -> list[str]:
     rollout in an s3 store) that are not there (any more)."""
     gone = []
     for key in ("checkpoint", "path", "url"):
-        if key in out:
+        if out.get(key) is not None:
             fs, where = url_to_fs(out[key])
             if not fs.exists(where):
                 gone.append(out[key])

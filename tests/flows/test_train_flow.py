@@ -261,8 +261,8 @@ def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
     assert parent.data.metrics["kl"] >= 0 and parent.data.params["grpo.kl_coef"] == "0.05"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     stages = Counter(r.data.tags["stage"] for r in children)
-    assert stages == {"start": 1, "capture": 1, "rollout": 1, "reference": 1, "reward": 1, "replay": 4,
-                      "prompt": 1, "optimizer": 1}
+    assert stages == {"capture": 1, "rollout": 1, "reference": 1, "reward": 1, "replay": 4, "prompt": 1,
+                      "optimizer": 1}
     replay = next(r for r in children if r.data.tags["stage"] == "replay")
     assert {"loss", "seconds", "tokens_per_s", "peak_bytes"} <= set(replay.data.metrics)
     artefacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
