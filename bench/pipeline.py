@@ -1,15 +1,19 @@
-"""The training pipeline per stage: seconds, bytes read and written, and what Prefect + MLflow add on top.
+"""The training pipeline per stage, on N = 1 and N = 2 ranks: seconds, bytes read and written, and what Prefect +
+MLflow add on top; and whether storing a group's summed dState would beat replaying its branches again.
 
-Runs `grpo_train` (the Prefect flow, MLflow in sqlite, the zarr store) for a few steps of a random model and
-wraps every library stage to measure it: wall seconds inside the stage, and the bytes the process read and
-wrote meanwhile (`/proc/self/io` rchar/wchar: reads served from the page cache count too, which is what a stage
-asks of storage). Stages run one at a time (`replay_concurrency: 1`) so that the counters belong to one stage.
-Orchestration = step wall time - the time inside stages.
+Runs `longstraw train --nproc N` (the Prefect flow on rank 0 driving resident ranks, MLflow in sqlite, the zarr
+store) for a few steps of a random model in a fresh run directory, then reads the per-stage numbers from the run's
+own MLflow nested stage runs: `op_seconds` (wall inside the op, on rank 0) and the bytes all ranks read and wrote
+meanwhile (`/proc/self/io` rchar/wchar: page-cache reads count too, which is what a stage asks of storage).
+Orchestration = step wall time - the time inside the stages.
 
-    .venv/bin/python bench/pipeline.py                      # tiny model (2 layers, hidden 64), P = 256
+dState: the pipeline keeps a group's dLoss/dState in memory between its replay tasks and its prompt backward, so
+a resume after a failure there replays the group's branches again. Storing the summed dState instead would cost one
+write per group on every step (and a read on resume). This measures both sides at the same P: the replay time of a
+group, and writing + reading a state-sized shard with the store the pipeline uses.
+
+    .venv/bin/python bench/pipeline.py                                   # tiny model, P = 256, N = 1 and 2
     .venv/bin/python bench/pipeline.py --model 4x1024 --P 16384 --steps 1
-
-N = 1 only: the pipeline has no multi-rank path yet (issue 12).
 """
 
 from __future__ import annotations
@@ -17,17 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-STAGES = ("init_run", "capture_stage", "rollout_stage", "reference_stage", "reward_stage", "replay_stage",
-          "prompt_stage", "optimizer_stage")
+STAGES = ("capture", "rollout", "reference", "reward", "replay", "prompt", "optimizer")
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16),
@@ -36,32 +43,67 @@ MODELS = {
 }
 
 
-def _io() -> tuple[int, int]:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["rchar"]), int(fields["wchar"])
+def model_config(args) -> dict:
+    return {"model_type": "qwen3", "vocab_size": 260, "max_position_embeddings": args.P + 64, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, **MODELS[args.model]}
 
 
-def instrument(lib) -> dict:
-    """Wrap the library's stage functions (the Prefect tasks look them up at call time)."""
+def run(args, nproc: int, d: Path) -> dict:
+    """One `longstraw train` run on `nproc` ranks; per-stage totals from its MLflow stage runs."""
+    from mlflow import MlflowClient
+
+    from longstraw.train.config import TrainConfig
+
+    cfg = TrainConfig.model_validate(dict(
+        model={"random": model_config(args)}, prompt_tokens=args.P, steps=args.steps, groups=1, responses=args.G,
+        max_new_tokens=8, reward="digit_overlap", grpo={"prompt_chunk": args.chunk}, run_dir=str(d / "run"),
+        threads=1, pipeline={"nproc": nproc, "branches_per_task": 1, "retries": 0}))
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {**os.environ, "PREFECT_HOME": str(d / "prefect"), "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(d / "cfg.yaml"),
+                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"the {nproc}-rank run failed:\n{done.stderr[-3000:]}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{d / 'run' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("longstraw").experiment_id])
     totals: dict = defaultdict(lambda: {"calls": 0, "seconds": 0.0, "read": 0, "written": 0})
-    for name in STAGES:
-        fn = getattr(lib, name)
+    for r in runs:
+        stage = r.data.tags.get("stage")
+        if stage in STAGES:
+            t, m = totals[stage], r.data.metrics
+            t["calls"] += 1
+            t["seconds"] += m.get("op_seconds", 0.0)
+            t["read"] += m.get("read_bytes", 0.0)
+            t["written"] += m.get("written_bytes", 0.0)
+    history = json.loads((d / "run" / "history.json").read_text())
+    step_wall = sum(h["step_seconds"] for h in history)
+    inside = sum(t["seconds"] for t in totals.values())
+    return {"nproc": nproc, "wall": wall, "stages": dict(totals), "step_seconds": step_wall,
+            "inside_stages_seconds": inside, "orchestration_share": (step_wall - inside) / step_wall,
+            "state_bytes": history[-1]["prefix_state_bytes"], "replay_seconds_per_step": totals["replay"]["seconds"]
+            / len(history)}
 
-        def timed(*a, _fn=fn, _name=name, **kw):
-            r0, w0 = _io()
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                r1, w1 = _io()
-                t = totals[_name]
-                t["calls"] += 1
-                t["seconds"] += time.perf_counter() - t0
-                t["read"] += r1 - r0
-                t["written"] += w1 - w0
 
-        setattr(lib, name, timed)
-    return totals
+def dstate_io(args, d: Path) -> dict:
+    """Seconds to write and to read back (checksums verified) one state-sized shard: the cost of storing dState."""
+    import torch
+
+    import longstraw as ls
+    from longstraw.sharded_state import commit_sharded_state, load_state_shard, save_state_shard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = ls.build_model(model_config(args))
+    state = ls.capture(model, torch.randint(0, 260, (args.P,)), args.chunk)
+    t0 = time.perf_counter()
+    rec = save_state_shard(state, str(d / "dstate"), 0, weights_version="w")
+    commit_sharded_state(str(d / "dstate"), [rec], state=state, weights_version="w")
+    write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    load_state_shard(str(d / "dstate"), 0, 1, model=model, weights_version="w")
+    return {"bytes": state.nbytes, "write_seconds": write, "read_seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
@@ -71,42 +113,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default="bench/out/pipeline.json")
     args = ap.parse_args()
 
-    import longstraw.train.stages as lib
-    from flows.train import grpo_train
-    from longstraw.train.config import TrainConfig
-
-    totals = instrument(lib)
-    with tempfile.TemporaryDirectory() as d:
-        model = {"model_type": "qwen3", "vocab_size": 260, "max_position_embeddings": args.P + 64,
-                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **MODELS[args.model]}
-        cfg = TrainConfig.model_validate(dict(
-            model={"random": model}, prompt_tokens=args.P, steps=args.steps, groups=1, responses=args.G,
-            max_new_tokens=8, reward="digit_overlap", grpo={"prompt_chunk": args.chunk}, run_dir=f"{d}/run",
-            threads=1, pipeline={"replay_concurrency": 1, "branches_per_task": 1, "retries": 0}))
-        t0 = time.perf_counter()
-        out = grpo_train(cfg.model_dump(mode="json"), progress=False)
-        wall = time.perf_counter() - t0
-    steps = out["history"]
-    step_wall = sum(h["step_seconds"] for h in steps)
-    inside = sum(t["seconds"] for name, t in totals.items() if name != "init_run")
-    print(f"pipeline: model {args.model}, P = {args.P}, G = {args.G}, {args.steps} steps, chunk {args.chunk}, "
-          f"one stage at a time; {wall:.1f} s in all")
-    print(f"{'stage':<16} {'calls':>5} {'seconds':>8} {'s/call':>7} {'MiB read':>9} {'MiB written':>12}")
-    for name in STAGES:
-        if name in totals:
-            t = totals[name]
-            print(f"{name:<16} {t['calls']:>5} {t['seconds']:>8.2f} {t['seconds'] / t['calls']:>7.2f} "
-                  f"{t['read'] / 2**20:>9.1f} {t['written'] / 2**20:>12.1f}")
-    overhead = step_wall - inside
-    print(f"steps: {step_wall:.2f} s, inside stages {inside:.2f} s, orchestration (Prefect + MLflow) "
-          f"{overhead:.2f} s = {overhead / step_wall:.0%} of step time")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.nproc:
+            d = Path(tmp) / f"n{n}"
+            d.mkdir()
+            results.append(run(args, n, d))
+        io = dstate_io(args, Path(tmp))
+    print(f"pipeline: model {args.model}, P = {args.P}, G = {args.G}, {args.steps} steps, chunk {args.chunk}")
+    for r in results:
+        print(f"\nN = {r['nproc']}: {r['wall']:.1f} s in all (torchrun, Prefect and MLflow start included)")
+        print(f"{'stage':<10} {'calls':>5} {'seconds':>8} {'s/call':>7} {'MiB read':>9} {'MiB written':>12}")
+        for name in STAGES:
+            if name in r["stages"]:
+                t = r["stages"][name]
+                print(f"{name:<10} {t['calls']:>5} {t['seconds']:>8.2f} {t['seconds'] / t['calls']:>7.2f} "
+                      f"{t['read'] / 2**20:>9.1f} {t['written'] / 2**20:>12.1f}")
+        overhead = r["step_seconds"] - r["inside_stages_seconds"]
+        print(f"steps: {r['step_seconds']:.2f} s, inside stages {r['inside_stages_seconds']:.2f} s, orchestration "
+              f"(Prefect + MLflow + commands) {overhead:.2f} s = {r['orchestration_share']:.0%} of step time")
+    rep = results[0]["replay_seconds_per_step"]
+    print(f"\ndState of one group ({io['bytes'] / 2**20:.1f} MiB): store {io['write_seconds']:.2f} s every step "
+          f"(+ {io['read_seconds']:.2f} s to read on resume) vs replaying the group's branches again on resume "
+          f"{rep:.2f} s (N = {results[0]['nproc']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "stages": dict(totals), "step_seconds": step_wall,
-                                          "inside_stages_seconds": inside, "orchestration_share": overhead / step_wall},
-                                         indent=1))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results, "dstate_io": io}, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@
 # STATUS: under N > 1 ranks, `step` runs sharded: the prefix state split over the ranks as sequence-parallel
 # groups (longstraw/parallel/), the one-process gradient on every rank; e.g.
 #   infra/launch.sh --nproc 8 -- step --config configs/tiny.yaml
-# The training pipeline (`train`, `resume`, `serve`) and `sft` still run on one process and refuse N > 1
-# (multi-rank pipeline: a later issue). --deepspeed only exports the config's path as
-# LONGSTRAW_DEEPSPEED_CONFIG, which nothing reads yet: ZeRO-1 comes from torch (optim.zero_stage: 1).
+# `train` and `resume` under N > 1 become the ranks of one run (rank 0 drives; the world size is pipeline.nproc);
+# `sft` runs on one process. --deepspeed only exports the config's path as LONGSTRAW_DEEPSPEED_CONFIG, which
+# nothing reads yet: ZeRO-1 comes from torch (optim.zero_stage: 1), ZeRO-2/3 from FSDP2.
 set -euo pipefail
 
 usage() {

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.tasks import exponential_backoff
 
 import longstraw.train.stages as lib
+from longstraw.memory import measured
 from longstraw.train.config import TrainConfig
 from longstraw.train.spmd import Driver
 from longstraw.train.worker import Worker
@@ -90,7 +91,8 @@ def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> 
             tags["branch"] = params["branches"][0][0]
         with tracking.stage_run(cfg, parent, name, tags) as record:
             # looked up at call time: tests may wrap the library function
-            out = _driver().call(fn.__name__, **params) if on_ranks else getattr(lib, fn.__name__)(cfg, **params)
+            out = (_driver().call(fn.__name__, **params) if on_ranks
+                   else measured(getattr(lib, fn.__name__), cfg, **params))
             record(out)
         return out
 

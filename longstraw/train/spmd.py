@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..files import CorruptArtefact
+from ..memory import measured
 from ..parallel import SequenceParallel
 from ..parallel.objects import broadcast_json, gather_json
 from .config import TrainConfig
@@ -147,11 +148,11 @@ def execute(worker, op: str, params: dict):
         raise ValueError(f"unknown op {op!r}")
     if ranks is None:
         try:
-            return fn(**params)
+            return measured(fn, **params)
         except Agreed as e:
             raise e.error from None
     try:
-        out = fn(**params)
+        out = measured(fn, **params)
         results = ranks.gather(out)
     except Agreed:
         raise
@@ -163,8 +164,12 @@ def execute(worker, op: str, params: dict):
 
 
 def merge(results: list[dict]) -> dict:
-    """Rank 0's result, with the largest peak memory of all ranks and each rank's peak and seconds."""
+    """Rank 0's result, with the largest peak memory of all ranks, the bytes all ranks read and wrote, and each
+    rank's peak, seconds and bytes."""
     out = dict(results[0])
+    for key in ("read_bytes", "written_bytes"):
+        out[f"per_rank_{key}"] = [r[key] for r in results]
+        out[key] = sum(r[key] for r in results)
     if all("peak_bytes" in r for r in results):
         out["peak_bytes"] = max(r["peak_bytes"] for r in results)
         out["per_rank_peak_bytes"] = [r["peak_bytes"] for r in results]

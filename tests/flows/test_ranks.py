@@ -78,3 +78,23 @@ def test_two_ranks_fault_in_one_rank_then_resume(tmp_path):
     assert any(not torch.equal(start[k], want[k]) for k in want)  # and training moved the weights
     diff = max(float((got[k] - single[k]).abs().max()) for k in want)
     assert diff <= 1e-6, diff
+
+
+def test_two_data_parallel_groups_under_zero3_match_one_rank(tmp_path):
+    """nproc 2, sp 1: two data-parallel groups, each holding the whole prefix state and replaying half of the
+    branches, parameters and moments sharded by FSDP (ZeRO-3); the sharded checkpoint's HF export equals a 1-rank
+    run's weights within 1e-6, and each rank wrote its own share of the AdamW state."""
+    cfg = config(tmp_path / "dp", dtype="float64", threads=1, pipeline={"sp": 1, "retries": 0},
+                 optim={"lr": 1e-2, "zero_stage": 3})
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = _cli(["train", "--config", str(path), "--nproc", "2"], tmp_path)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    one = _cli(["train", "--config", str(_yaml(tmp_path, "one"))], tmp_path)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
+    got, single = _final(tmp_path, "dp"), _final(tmp_path, "one")
+    assert got.keys() == single.keys()
+    diff = max(float((got[k] - single[k]).abs().max()) for k in single)
+    assert diff <= 1e-6, diff
+    shards = sorted((tmp_path / "dp" / "checkpoints" / "update-000002" / "trainer" / "optimizer").iterdir())
+    assert len(shards) == 2  # one per rank
