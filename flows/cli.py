@@ -11,24 +11,22 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from longstraw.cli import build_parser, run  # noqa: E402
-from longstraw.config import load_config  # noqa: E402
+from longstraw.config import load_config, with_overrides  # noqa: E402
 from longstraw.train.artifacts import load_json  # noqa: E402
 from longstraw.train.config import TrainConfig  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    return _overridden(load_config(args.config, TrainConfig).model_dump(mode="json"), args)
+    return load_config(args.config, TrainConfig, _overrides(args))
 
 
-def _overridden(data: dict, args: argparse.Namespace) -> TrainConfig:
-    """The config with the command line's overrides; under torchrun, its world size is the number of ranks."""
-    for key in ("run_dir", "steps"):
-        if getattr(args, key, None) is not None:
-            data[key] = getattr(args, key)
+def _overrides(args: argparse.Namespace) -> dict:
+    """The command line's overrides; under torchrun, its world size is the number of ranks."""
+    out = {key: getattr(args, key) for key in ("run_dir", "steps") if getattr(args, key, None) is not None}
     nproc = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else getattr(args, "nproc", None)
     if nproc is not None:
-        data["pipeline"] = {**data.get("pipeline", {}), "nproc": nproc}
-    return TrainConfig.model_validate(data)
+        out["pipeline"] = {"nproc": nproc}
+    return out
 
 
 def _under_torchrun() -> bool:
@@ -102,7 +100,8 @@ def _resume_config(target: str) -> dict:
 
 
 def resume(args: argparse.Namespace) -> int:
-    return _run(_overridden(_resume_config(args.target), args), not args.no_progress)
+    data = with_overrides(_resume_config(args.target), _overrides(args))
+    return _run(TrainConfig.model_validate(data), not args.no_progress)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -61,7 +61,8 @@ def _mean(xs: list[float]) -> float:
 
 
 @flow(name="grpo-step", flow_run_name="step-{step}")
-def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, parent_run_id: str | None = None) -> dict:
+def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, parent_run_id: str | None = None
+              ) -> dict:
     """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
     -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. `weights` is the lineage id
     of the weights the ranks hold at the step's start, `ref_weights` that of the KL reference."""
@@ -69,7 +70,7 @@ def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, pa
     t0 = time.perf_counter()
     run = partial(_run, cfg=cfg, parent=parent_run_id)
     update = step * cfg.epochs
-    caps: dict[int, dict] = {}
+    caps: list[dict] = []  # every epoch's
     rolls: dict[int, dict] = {}
     refs: dict[int, dict | None] = {}
     rews: dict[int, dict] = {}
@@ -79,12 +80,14 @@ def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, pa
     for epoch in range(cfg.epochs):
         for g in range(cfg.groups):  # one group at a time: one prefix state and one dState resident
             # epoch > 0: the weights changed, so the prompt is captured again with them
-            caps[g] = run(stages.capture, dict(weights=weights, step=step, group=g, epoch=epoch))
-            state = _state(caps[g])
+            caps.append(run(stages.capture, dict(weights=weights, step=step, group=g, epoch=epoch)))
+            state = _state(caps[-1])
             if epoch == 0:
                 rolls[g] = run(stages.rollout, dict(weights=weights, state=state, step=step, group=g))
-                refs[g] = (run(stages.reference, dict(ref_weights=ref_weights, state=state, rollout_ref=_ref(rolls[g]),
-                                                      step=step, group=g)) if cfg.grpo.kl_coef > 0 else None)
+                refs[g] = None
+                if cfg.grpo.kl_coef > 0:
+                    refs[g] = run(stages.reference, dict(ref_weights=ref_weights, state=state,
+                                                         rollout_ref=_ref(rolls[g]), step=step, group=g))
                 rews[g] = run(stages.reward, dict(rollout_ref=_ref(rolls[g]), step=step, group=g))
             for slices in branch_slices(cfg):
                 replays.append(run(stages.replay, dict(
@@ -93,12 +96,11 @@ def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, pa
             if cfg.mode == "exact":
                 prompts.append(run(stages.prompt, dict(weights=weights, state=state, step=step, group=g,
                                                        epoch=epoch)))
-        record = _metrics(cfg, list(caps.values()), list(rolls.values()), list(rews.values()), replays, prompts,
-                          time.perf_counter() - t0)
-        opt = run(stages.optimizer, dict(weights=weights, update=update + epoch, step=step, record=record))
+        done = (cfg, caps, list(rolls.values()), list(rews.values()), replays, prompts)
+        opt = run(stages.optimizer, dict(weights=weights, update=update + epoch, step=step,
+                                         record=_metrics(*done, time.perf_counter() - t0)))
         weights = opt["weights_version"]
-    metrics = _metrics(cfg, list(caps.values()), list(rolls.values()), list(rews.values()), replays, prompts,
-                       time.perf_counter() - t0, opt)
+    metrics = _metrics(*done, time.perf_counter() - t0, opt)
     return {"step": step, "weights": weights, "checkpoint": opt["checkpoint"], "metrics": metrics}
 
 
@@ -115,7 +117,7 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         "kl": sum(r["kl_sum"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "response_len": _mean([r["response_len_mean"] for r in rolls]),
-        "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),
+        "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),  # caps: every epoch's captures
         "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays, *prompts]),
         "step_seconds": seconds,
         "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + epoch_tokens) / seconds,
@@ -136,7 +138,8 @@ def _state(capture: dict) -> dict:
     return {"url": capture["url"], "sha256": capture["sha256"]}
 
 
-def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights: str, ref_weights: str | None, parent: str | None) -> dict:
+def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights: str, ref_weights: str | None, parent: str | None
+                           ) -> dict:
     """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a reward or reference file:
     derived data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached,
     but its artefact is gone now, so it runs again (`_run`), and nothing has to be cleaned up by hand."""

@@ -68,12 +68,21 @@ class StepConfig(BaseModel):
         return self
 
 
-def load_config(path: str | Path, cls: type[C]) -> C:
-    """Read a YAML file into `cls`; errors name the file and the offending field."""
+def with_overrides(data: dict, overrides: dict) -> dict:
+    """`data` with `overrides` applied: a dict value updates the section of that name, others replace."""
+    out = dict(data)
+    for key, value in overrides.items():
+        out[key] = {**(out.get(key) or {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def load_config(path: str | Path, cls: type[C], overrides: dict | None = None) -> C:
+    """Read a YAML file into `cls`, with `overrides` (e.g. from the command line; a dict value updates the section
+    of that name) applied before validation; errors name the file and the offending field."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {p} not found")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = with_overrides(yaml.safe_load(p.read_text()) or {}, overrides or {})
     try:
         return cls.model_validate(data)
     except ValidationError as e:

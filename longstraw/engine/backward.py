@@ -99,7 +99,7 @@ def grpo_backward(
                         totals, progress, mode, parallel)
         if exact:
             if branch_groups:
-                _sum_over_branch_groups(grad, parallel)
+                sum_over_branch_groups(grad, parallel)
             prompt_backward(model, state, grad, kept, progress, parallel)
         if branch_groups:
             totals = _sum_branch_results(model, totals, parallel, sum_params)
@@ -166,7 +166,7 @@ def replay_backward(
             grad[i].add_(g)
 
 
-def _sum_over_branch_groups(grad: Grad, parallel: SequenceParallel) -> None:
+def sum_over_branch_groups(grad: Grad, parallel: SequenceParallel) -> None:
     """dState of all branches, divided by the number of data-parallel groups: each group then runs the same prompt
     backward (in lockstep, as ZeRO-3 and FSDP need), and the sum of their parameter gradients counts it once."""
     for g in grad.values():

@@ -147,10 +147,7 @@ def execute(worker, op: str, params: dict):
     if op.startswith("_") or not callable(fn):
         raise ValueError(f"unknown op {op!r}")
     if ranks is None:
-        try:
-            return measured(fn, **params)
-        except Agreed as e:
-            raise e.error from None
+        return measured(fn, **params)  # one process: errors are raised as they are (`agree` raises them too)
     try:
         out = measured(fn, **params)
         results = ranks.gather(out)

@@ -32,8 +32,8 @@ from torch import nn
 
 from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
-from ..engine.backward import (_sum_over_branch_groups, boundary_interval, naive_backward, prompt_backward,
-                               replay_backward)
+from ..engine.backward import (Grad, boundary_interval, naive_backward, prompt_backward, replay_backward,
+                               sum_over_branch_groups)
 from ..engine.capture import capture
 from ..engine.replay import score
 from ..files import remove_stale_temporaries
@@ -52,8 +52,6 @@ from .data import example_seed
 from .optim import build_optimizer, optimizer_step
 from .spmd import Ranks, agree
 from .stages import example_record, load_rollout, make_prompt
-
-Grad = dict  # dState: one buffer per layer (PrefixState.grad_buffer())
 
 
 def next_version(version: str, update: int) -> str:
@@ -96,6 +94,9 @@ class Worker:
     def _leader(self) -> bool:
         return self.ranks is None or self.ranks.leader
 
+    def _meter(self) -> PeakMeter:
+        return PeakMeter(self.device, collect=False)  # a full gc per op would cost more than a tiny op
+
     def _agree(self, fn):
         return agree(self.ranks, fn)
 
@@ -134,7 +135,7 @@ class Worker:
             meta = read_trainer(latest)  # verified as written
         else:
             self.model, self.optim, meta = load_checkpoint(latest, factory, dtype, prepare=self._prepare,
-                                                               device=self.device)
+                                                           device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
         self._state, self._dstate = None, {}
@@ -153,7 +154,7 @@ class Worker:
         rank, ranks = self._sp_rank
         if self._leader:
             uncommit(url, cfg.store.storage_options)  # before any shard is rewritten
-        with PeakMeter(self.device) as m:
+        with self._meter() as m:
             state = capture(self.model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel,
                             boundary_every=self._boundary_every(prompt.numel()) if cfg.mode == "exact" else None)
             mine = (save_state_shard(state, url, rank, weights_version=weights, shard_tokens=cfg.store.shard_tokens,
@@ -178,7 +179,7 @@ class Worker:
         self._check_weights(weights)
         tok = load_tokenizer(cfg.tokenizer)
         prefix = self._load(state)
-        with PeakMeter(self.device) as m:
+        with self._meter() as m:
             samples = rollout(self.model, prefix, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
                               seed=example_seed(cfg.seed, step, group), parallel=self.parallel)
@@ -202,7 +203,7 @@ class Worker:
         model = self._reference_model(ref_weights)
         prompt = self._load(state).prompt_ids
         responses, _, _ = self._agree(lambda: load_rollout(cfg, rollout_ref))
-        with PeakMeter(self.device) as m:
+        with self._meter() as m:
             ref_state = capture(model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel)
             logps = score(model, ref_state, responses, cfg.grpo.branch_batch, parallel=self.parallel)
         out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
@@ -236,7 +237,7 @@ class Worker:
         old = pick(sample_logps) if cfg.epochs > 1 else None  # several epochs: ratios against the sampling policy
         ref = None if ref_t is None else [ref_t[f"logprobs.{i}"] for i in mine]
         totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
-        with PeakMeter(self.device) as m:
+        with self._meter() as m:
             if cfg.mode == "naive":
                 naive_backward(self.model, prefix.prompt_ids, pick(responses), adv, pick(weights_all), cfg.grpo, old, ref,
                                totals)
@@ -261,9 +262,9 @@ class Worker:
             raise ValueError(f"no replay of step {step} group {group} epoch {epoch} ran on these ranks since they "
                              "started: run the group's replay tasks first")
         prefix = self._load(state)
-        with PeakMeter(self.device) as m:
+        with self._meter() as m:
             if self.parallel is not None and self.parallel.dp_size > 1:
-                _sum_over_branch_groups(grad, self.parallel)
+                sum_over_branch_groups(grad, self.parallel)
             # a copy of the boundary table: the backward consumes it, the resident state keeps it
             prompt_backward(self.model, replace(prefix, boundaries=dict(prefix.boundaries)), grad, {},
                             parallel=self.parallel)

@@ -84,11 +84,11 @@ def test_two_data_parallel_groups_under_zero3_match_one_rank(tmp_path):
     """nproc 2, sp 1: two data-parallel groups, each holding the whole prefix state and replaying half of the
     branches, parameters and moments sharded by FSDP (ZeRO-3); the sharded checkpoint's HF export equals a 1-rank
     run's weights within 1e-6, and each rank wrote its own share of the AdamW state."""
-    cfg = config(tmp_path / "dp", dtype="float64", threads=1, pipeline={"sp": 1, "retries": 0},
+    cfg = config(tmp_path / "dp", dtype="float64", threads=1, pipeline={"nproc": 2, "sp": 1, "retries": 0},
                  optim={"lr": 1e-2, "zero_stage": 3})
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    done = _cli(["train", "--config", str(path), "--nproc", "2"], tmp_path)
+    done = _cli(["train", "--config", str(path)], tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     one = _cli(["train", "--config", str(_yaml(tmp_path, "one"))], tmp_path)
     assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
@@ -98,3 +98,21 @@ def test_two_data_parallel_groups_under_zero3_match_one_rank(tmp_path):
     assert diff <= 1e-6, diff
     shards = sorted((tmp_path / "dp" / "checkpoints" / "update-000002" / "trainer" / "optimizer").iterdir())
     assert len(shards) == 2  # one per rank
+
+
+def test_nproc_on_the_command_line_applies_before_validation(tmp_path):
+    """A ZeRO-3 config needs several ranks: `--nproc 2` makes it valid; without it the error names the fix."""
+    import argparse
+
+    import pytest
+
+    from flows.cli import _config
+
+    cfg = config(tmp_path / "z", pipeline={"nproc": 2, "retries": 0}, optim={"zero_stage": 3})
+    cfg["pipeline"]["nproc"] = 1
+    path = tmp_path / "z.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    args = argparse.Namespace(config=str(path), run_dir=None, steps=None, nproc=2)
+    assert _config(args).pipeline.nproc == 2
+    with pytest.raises(ValueError, match="zero_stage 3 shards over several ranks; set pipeline.nproc > 1"):
+        _config(argparse.Namespace(config=str(path), run_dir=None, steps=None, nproc=None))
