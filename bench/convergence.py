@@ -317,8 +317,8 @@ def _train_step(model, tok: Tokenizer, pool: list[Example], prompts: list[torch.
                 add_grads(model, exact)
                 continue
             probe_seconds += t
-        t0 = time.perf_counter()
         before = grads_of(model) if run.probe else None
+        t0 = time.perf_counter()
         ls.grpo_backward(model, prompt, responses, adv, mode=run.mode, config=run.grpo)
         seconds += time.perf_counter() - t0
         if before is not None:  # the mode's own gradient against the probe's of the same mode (a check)
