@@ -12,8 +12,9 @@ the detached gradient of the same batch), and compared: cosine, relative L2, and
 
 One process, no Prefect: the library's pieces driven directly (capture, rollout, rewards, group advantages,
 grpo_backward, the pipeline's optimizer_step). Warm starts (`longstraw sft`, as `make run` does) are cached under
-`--cache` and reused by every seed, mode and prompt length. Output: `convergence.json` and PNGs in `--out`, a
-table on stdout, and with `--mlflow URI` a parent run with one nested run per training run.
+`--cache` and reused by every seed, mode and prompt length. Output: every step of every run in
+`<cache>/convergence-<variant>.json`, `convergence_summary.json` and PNGs in `--out`, a table on stdout, and with
+`--mlflow URI` a parent run with one nested run per training run.
 """
 
 from __future__ import annotations
@@ -509,38 +510,41 @@ def steps_to(curve: list[float], threshold: float, window: int = 3) -> int | Non
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Per (model, task, P) and mode, over seeds: final reward (mean of the last 3 steps), held-out accuracy after
-    the last step, steps to close 80% of exact's reward gain, gradient cosine / relative L2, seconds per step; and
-    for naive, the first step at which its sampled answers differ from exact's of the same seed."""
+    the last step, the gap to exact paired by seed (same pool, same sampling seeds), steps to close 80% of exact's
+    reward gain, gradient cosine / relative L2, seconds per step; for naive, how long it stays identical to exact."""
     cells: dict[tuple, dict[str, list[dict]]] = {}
     for r in runs:
         cells.setdefault((r["model"], r["task"], r["prompt_tokens"]), {}).setdefault(r["mode"], []).append(r)
     rows = []
     for (model, task, tokens), by_mode in cells.items():
-        exact = by_mode.get("exact", [])
+        exact = {r["seed"]: r for r in by_mode.get("exact", [])}
+        final = {id(r): _tail([h["reward_mean"] for h in _steps(r)]) for rs in by_mode.values() for r in rs}
         start = statistics.fmean(_steps(r)[0]["reward_mean"] for rs in by_mode.values() for r in rs)
-        exact_final = statistics.fmean(_tail([h["reward_mean"] for h in _steps(r)]) for r in exact) if exact else None
+        exact_final = statistics.fmean(final[id(r)] for r in exact.values()) if exact else None
         gain = None if exact_final is None else exact_final - start
         threshold = start + 0.8 * gain if gain is not None and gain > 0.02 else None
+        p_over_r = statistics.fmean(h["p_over_r"] for rs in by_mode.values() for r in rs for h in _steps(r))
         for mode in MODES:
             rs = by_mode.get(mode, [])
             if not rs:
                 continue
             curves = [[h["reward_mean"] for h in _steps(r)] for r in rs]
-            reach = [steps_to(c, threshold) for c in curves] if threshold is not None else []
+            paired = [r for r in rs if r["seed"] in exact]
             row = {"model": model, "task": task, "prompt_tokens": tokens, "mode": mode, "seeds": len(rs),
-                   "p_over_r": _mean_std([h["p_over_r"] for r in rs for h in _steps(r)])[0],
-                   "reward_start": start, "reward_final": _mean_std([_tail(c) for c in curves]),
+                   "prompt_len": statistics.fmean(_steps(r)[0]["prompt_len"] for r in rs), "p_over_r": p_over_r,
+                   "reward_start": start, "reward_final": _mean_std([final[id(r)] for r in rs]),
+                   "gap_to_exact": _mean_std([final[id(exact[r["seed"]])] - final[id(r)] for r in paired]),
                    "accuracy_final": _mean_std([_tail([h["accuracy"] for h in _steps(r)]) for r in rs]),
                    "held_out_start": _mean_std([r["history"][0]["held_out"]["accuracy"] for r in rs]),
                    "held_out_final": _mean_std([r["history"][-1]["held_out"]["accuracy"] for r in rs]),
-                   "threshold": threshold, "steps_to_threshold": reach,
+                   "threshold": threshold,
+                   "steps_to_threshold": [steps_to(c, threshold) for c in curves] if threshold is not None else [],
                    "cos": _mean_std([h.get("cos") for r in rs for h in _steps(r)]),
                    "rel_l2": _mean_std([h.get("rel_l2") for r in rs for h in _steps(r)]),
                    "sec_per_step": _mean_std([h["seconds"] for r in rs for h in _steps(r)]),
                    "grad_vs_probe": max((h.get("grad_vs_probe", 0.0) for r in rs for h in _steps(r)), default=0.0)}
-            if mode == "naive" and exact:
-                row["same_as_exact"] = [_same_steps(r, next((e for e in exact if e["seed"] == r["seed"]), None))
-                                        for r in rs]
+            if mode == "naive":
+                row["same_as_exact"] = [_same_steps(r, exact.get(r["seed"])) for r in rs]
             rows.append(row)
     return rows
 
@@ -556,6 +560,13 @@ def _same_steps(naive: dict, exact: dict | None) -> dict | None:
             "max_reward_diff": max(abs(x["reward_mean"] - y["reward_mean"]) for x, y in zip(a, b))}
 
 
+def layer_label(model: str, part: str) -> str:
+    """'L3' -> 'L3 attn' for the Qwen3.5 hybrid (every 4th layer is full attention, the others Gated DeltaNet)."""
+    if model != "qwen3_5" or not part.startswith("L"):
+        return part
+    return f"{part} {'attn' if (int(part[1:]) + 1) % 4 == 0 else 'DeltaNet'}"
+
+
 def parameter_loss(runs: list[dict], sweeps: list[dict]) -> dict:
     """Per model: each parameter group's and layer's relative L2 of the lost gradient and its share of all that is
     lost, averaged over every compared batch (all training steps of all runs, and the sweep)."""
@@ -566,8 +577,9 @@ def parameter_loss(runs: list[dict], sweeps: list[dict]) -> dict:
         out[model] = {}
         for key in ("groups", "layers"):
             parts = sorted({p for h in hs for p in h[key]}, key=lambda p: (p[0] != "e", p))
-            out[model][key] = {p: {stat: _mean_std([h[key][p][stat] for h in hs if p in h[key]])[0]
-                                   for stat in ("rel_l2", "lost_share", "norm_share")} for p in parts}
+            out[model][key] = {layer_label(model, p): {stat: _mean_std([h[key][p][stat] for h in hs if p in h[key]])[0]
+                                                       for stat in ("rel_l2", "lost_share", "norm_share")}
+                               for p in parts}
     return out
 
 
@@ -736,14 +748,16 @@ def _reach(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'model':8} {'task':12} {'P/R':>5} {'mode':8} {'n':>2} {'reward 0':>8} {'reward end':>12} "
-            f"{'held-out end':>12} {'steps to 80%':>13} {'cos(D,E)':>12} {'relL2(D,E)':>12} {'s/step':>6}")
+    head = (f"{'model':8} {'task':12} {'P':>5} {'P/R':>4} {'mode':8} {'n':>2} {'reward 0':>8} {'reward end':>12} "
+            f"{'gap to exact':>13} {'held-out end':>12} {'steps to 80%':>13} {'cos(D,E)':>11} {'relL2(D,E)':>11} "
+            f"{'s/step':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['model']:8} {r['task']:12} {r['p_over_r']:5.0f} {r['mode']:8} {r['seeds']:2d} "
-                     f"{r['reward_start']:8.3f} {_pm(r['reward_final']):>12} {_pm(r['held_out_final']):>12} "
-                     f"{_reach(r):>13} {_pm(r['cos'], 2):>12} {_pm(r['rel_l2'], 2):>12} "
-                     f"{r['sec_per_step'][0]:6.2f}")
+        gap = "" if r["mode"] == "exact" else _pm(r["gap_to_exact"])
+        lines.append(f"{r['model']:8} {r['task']:12} {r['prompt_len']:5.0f} {r['p_over_r']:4.0f} {r['mode']:8} "
+                     f"{r['seeds']:2d} {r['reward_start']:8.3f} {_pm(r['reward_final']):>12} {gap:>13} "
+                     f"{_pm(r['held_out_final']):>12} {_reach(r):>13} {_pm(r['cos'], 2):>11} "
+                     f"{_pm(r['rel_l2'], 2):>11} {r['sec_per_step'][0]:6.2f}")
     return "\n".join(lines)
 
 
@@ -820,9 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="<= 5 min: fewer steps, seeds, cells (the default)")
     size.add_argument("--full", action="store_true", help="<= 60 min on the 2-core box, warm starts included")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "convergence",
-                    help="where convergence.json and the PNGs go")
+                    help="where convergence_summary.json and the PNGs go")
     ap.add_argument("--cache", type=Path, default=ROOT / "bench" / "out" / "convergence",
-                    help="where warm starts are cached (git-ignored)")
+                    help="where warm starts are cached and every step's record goes (convergence-<variant>.json)")
     ap.add_argument("--mlflow", metavar="URI", help="log to MLflow, e.g. sqlite:///bench/out/mlflow.db")
     ap.add_argument("--steps", type=int, help="override the plan's GRPO steps per run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -836,13 +850,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     args.out.mkdir(parents=True, exist_ok=True)
+    args.cache.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer("byte")
     t_start = time.perf_counter()
     meta = {"variant": variant, "plan": plan_json(plan), "torch": torch.__version__,
             "machine": platform.machine(), "python": platform.python_version(), "threads": args.threads,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     result: dict = {"meta": meta, "warm": {}, "sweeps": [], "runs": [], "summary": [], "parameters": {}}
-    json_path = args.out / "convergence.json"
+    # every step of every run (large) beside the warm starts; the summary (small) beside the plots
+    json_path = args.cache / f"convergence-{variant}.json"
+    summary_path = args.out / "convergence_summary.json"
 
     warm: dict[tuple[str, str], Path] = {}
     for (model, task), steps in plan.warm_steps.items():
@@ -862,14 +879,16 @@ def main(argv: list[str] | None = None) -> int:
     result["parameters"] = parameter_loss(result["runs"], result["sweeps"])
     meta["seconds"] = time.perf_counter() - t_start
     write_json(json_path, result)
+    write_json(summary_path, {k: v for k, v in result.items() if k != "runs"})
     pngs = [plot_curves(result["runs"], args.out, "reward"), plot_curves(result["runs"], args.out, "held_out"),
             plot_cos_steps(result["runs"], args.out), plot_cos_pr(result["runs"], result["sweeps"], args.out),
             plot_parameters(result["parameters"], args.out)]
     print(table(result["summary"]))
     print(parameters_table(result["parameters"]))
-    print(f"{variant}: {meta['seconds']:.0f} s in all; {json_path} and {len(pngs)} PNGs in {args.out}")
+    print(f"{variant}: {meta['seconds']:.0f} s in all; every step in {json_path}; {summary_path.name} and "
+          f"{len(pngs)} PNGs in {args.out}")
     if args.mlflow:
-        print(f"MLflow run {log_mlflow(args.mlflow, result, [json_path, *pngs])} at {args.mlflow}")
+        print(f"MLflow run {log_mlflow(args.mlflow, result, [json_path, summary_path, *pngs])} at {args.mlflow}")
     return 0
 
 

@@ -23,6 +23,16 @@ class Sample:
     finish_reason: str  # "stop" (a stop id was sampled, and kept as the last token) or "length"
 
 
+def sample_no_sync(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [n, V], row i drawn with `generators[i]`, without waiting for the device:
+    argmax(p / E) with E ~ Exp(1) picks token j with probability p_j (the exponential race; gpt-fast's
+    `multinomial_sample_one_no_sync`), where `torch.multinomial` synchronises with the host on CUDA."""
+    race = torch.empty_like(probs)
+    for row, g in zip(race, generators):
+        row.exponential_(generator=g)
+    return (probs / race).argmax(-1)
+
+
 def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Sampling distribution's logits [n, V]: tempered, then top-k, then nucleus (top-p) filtered."""
     logits = logits / temperature
@@ -51,16 +61,20 @@ def rollout(
     stop_ids: Sequence[int] = (),
     seed: int | None = None,
     parallel: SequenceParallel | None = None,
+    stop_check_every: int = 8,
 ) -> list[Sample]:
     """Generate `n` responses to the captured prompt.
 
     All branches decode in one batch: attention layers read the one shared prefix state plus each branch's own
     tokens (merged by log-sum-exp; the prefix is never copied per branch); recurrent layers get a per-branch copy
     of their fixed-size state. Branch i samples with its own generator seeded `seed + i`, so a branch's tokens
-    do not depend on the others. `temperature == 0` is greedy. With `parallel`, every rank of the group passes its
-    shard of the state and the same arguments (a seed included), and gets the same samples.
+    do not depend on the others. `temperature == 0` is greedy. Sampling never waits for the device, and whether
+    every branch has stopped is asked every `stop_check_every` tokens. With `parallel`, every rank of the group
+    passes its shard of the state and the same arguments (a seed included), and gets the same samples.
     """
     check_state(model, state, parallel)
+    if stop_check_every < 1:
+        raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"rollout needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
@@ -99,12 +113,13 @@ def rollout(
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            probs = _filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-            nxt = torch.cat([torch.multinomial(probs[i], 1, generator=gens[i]) for i in range(n)])
+            nxt = sample_no_sync(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), gens)
         out_tokens.append(nxt)
         out_logps.append(logp.gather(-1, nxt[:, None])[:, 0])
         done = done | torch.isin(nxt, stops)
-        if bool(done.all()):
+        # asking whether all rows stopped waits for the device: ask every `stop_check_every` tokens (rows that
+        # stopped decode on meanwhile; what follows their stop token is cut off below)
+        if (t + 1) % stop_check_every == 0 and bool(done.all()):
             break
         tokens = nxt[:, None]
     return _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), stops)

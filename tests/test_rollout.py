@@ -121,3 +121,32 @@ def test_bad_arguments():
         ls.rollout(model, state, n=1, max_new_tokens=2, stop_ids=[500])
     with pytest.raises(ValueError, match="different model"):
         ls.rollout(tiny_model(num_hidden_layers=2), state, n=1, max_new_tokens=2)
+
+
+def test_sampling_without_host_sync_draws_from_the_distribution():
+    """The exponential race picks token j with probability p_j (20,000 draws, within 0.015 of each p_j), the
+    same generator state gives the same draw, and tokens of probability 0 are never drawn."""
+    from longstraw.rollout import sample_no_sync
+
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(20_000)]
+    draws = sample_no_sync(probs, gens)
+    freq = torch.bincount(draws, minlength=4).double() / draws.numel()
+    assert torch.allclose(freq, probs[0].double(), atol=0.015) and freq[3] == 0
+    again = sample_no_sync(probs[:5], [torch.Generator().manual_seed(i) for i in range(5)])
+    assert torch.equal(again, draws[:5])
+
+
+def test_stop_checks_every_k_tokens_give_the_same_samples():
+    """Asking whether all branches stopped only every k tokens decodes a little longer, never differently."""
+    model = sharpen(model_for("qwen3"))
+    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    kw = dict(n=4, max_new_tokens=12, temperature=1.0, stop_ids=[3, 5, 7], seed=5)
+    every = ls.rollout(model, state, stop_check_every=1, **kw)
+    sparse = ls.rollout(model, state, stop_check_every=8, **kw)
+    assert any(s.finish_reason == "stop" for s in every)
+    for a, b in zip(every, sparse):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+        assert a.finish_reason == b.finish_reason
+    with pytest.raises(ValueError, match="stop_check_every"):
+        ls.rollout(model, state, stop_check_every=0, **kw)

@@ -21,28 +21,98 @@ Tensor = torch.Tensor
 _BLOCK = 1024
 
 
-def _use_cpu_flash(q: Tensor) -> bool:
-    return q.device.type == "cpu"
+KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "torch")
+
+
+def choose_kernel(device_type: str, dtype: torch.dtype, qk_dim: int, v_dim: int) -> str:
+    """The kernel for one attention part. All return the log-sum-exp the merge needs, and take the merged output
+    and log-sum-exp in their backward.
+
+    cpu_flash       PyTorch's CPU flash kernel (any dtype and head size)
+    cuda_flash      FlashAttention-2 in PyTorch: fp16/bf16, head dim <= 256 (Qwen3.5's 256 included), q/k and v
+                    of one size
+    cuda_efficient  the memory-efficient kernel: fp32, head dims that are multiples of 8, q/k and v of one size
+    torch           the portable reference, blocked over keys (fp32 score blocks, fp32 accumulation): the test
+                    oracle, and the path of absorbed MLA (576-wide keys, 512-wide values, which FlashAttention-2
+                    does not take) and of fp64
+    """
+    if device_type == "cpu":
+        return "cpu_flash"
+    if device_type == "cuda" and qk_dim == v_dim and qk_dim % 8 == 0:
+        if dtype in (torch.float16, torch.bfloat16) and qk_dim <= 256:
+            return "cuda_flash"
+        if dtype == torch.float32:
+            return "cuda_efficient"
+    return "torch"
+
+
+def _kernel(kernel: str, q: Tensor, v: Tensor) -> str:
+    if kernel == "auto":
+        return choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
+    return "cpu_flash" if kernel == "flash" else kernel
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One part: softmax attention returning (out, lse). The CPU path calls PyTorch's flash kernel; the torch path
-# is the portable reference (blocked over keys, so memory stays bounded) and is used on other devices.
+# One part: softmax attention returning (out, lse) and what its kernel's backward needs (`aux`).
 # ----------------------------------------------------------------------------------------------------------
 
 
 def part_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, kernel: str = "auto"):
-    if kernel == "flash" or (kernel == "auto" and _use_cpu_flash(q)):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return _torch_forward(q, k, v, causal, scale)
+    """(out, lse [B, H, T] fp32) of q [B, H, T, d] over k, v [B, Hkv, S, d] (H a multiple of Hkv)."""
+    o, lse, _ = _forward(q, k, v, causal, scale, kernel)
+    return o, lse
 
 
-def part_backward(do, q, k, v, o, lse, causal: bool, scale: float, kernel: str = "auto"):
-    if kernel == "flash" or (kernel == "auto" and _use_cpu_flash(q)):
+def part_backward(do, q, k, v, o, lse, causal: bool, scale: float, kernel: str = "auto", aux=None):
+    """(dq, dk, dv) of one part, given the merged output and log-sum-exp (the same identity as a ring's)."""
+    kind = _kernel(kernel, q, v)
+    if kind == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, o, lse, 0.0, causal, scale=scale
-        )
-    return _torch_backward(do, q, k, v, o, lse, causal, scale)
+            do, q, k, v, o, lse, 0.0, causal, scale=scale)
+    if kind == "torch":
+        return _torch_backward(do, q, k, v, o, lse, causal, scale)
+    g = q.shape[1] // k.shape[1]
+    ke, ve = _expand(k, g), _expand(v, g)
+    if kind == "cuda_flash":
+        cq, ck, mq, mk, rng, unused = aux
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, ke, ve, o, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
+    else:  # cuda_efficient: its log-sum-exp is padded to a multiple of 32 rows
+        seed, offset, rows = aux
+        padded = F.pad(lse, (0, rows - lse.shape[-1]))
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, ke, ve, None, o, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _fold_heads(dk, g), _fold_heads(dv, g)
+
+
+def _forward(q, k, v, causal, scale, kernel):
+    kind = _kernel(kernel, q, v)
+    if kind == "cpu_flash":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return o, lse, None
+    if kind == "torch":
+        return (*_torch_forward(q, k, v, causal, scale), None)
+    g = q.shape[1] // k.shape[1]
+    ke, ve = _expand(k, g), _expand(v, g)
+    if kind == "cuda_flash":
+        o, lse, cq, ck, mq, mk, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, ke, ve, 0.0, causal, False, scale=scale)
+        return o, lse, (cq, ck, mq, mk, rng, unused)
+    if kind == "cuda_efficient":
+        o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, ke, ve, None, True, 0.0, causal, scale=scale)
+        return o, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])
+    raise ValueError(f"attention kernel {kernel!r} unknown; choose auto, flash (= cpu_flash) or one of {KERNELS}")
+
+
+def _expand(x: Tensor, g: int) -> Tensor:
+    """[B, Hkv, S, d] -> [B, Hkv * g, S, d]: the CUDA kernels take as many key heads as query heads (segments are
+    short; the shared prefix is folded to one query head group per key head instead, see `_fold`)."""
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _fold_heads(dx: Tensor, g: int) -> Tensor:
+    return dx if g == 1 else dx.unflatten(1, (-1, g)).sum(2)
 
 
 def _acc(t: Tensor) -> torch.dtype:
@@ -135,24 +205,27 @@ def merge_parts(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor,
     return o.to(o1.dtype), lse
 
 
-def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel) -> tuple[Tensor, Tensor]:
-    """(out, lse) of q [B, H, T, d] over the prefix rows (this rank's, merged over the group with `parallel`)."""
+def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel):
+    """(out, lse, aux) of q [B, H, T, d] over the prefix rows (this rank's, merged over the group with
+    `parallel`; aux: what the kernel's backward needs)."""
     b, h = q.shape[:2]
+    aux = None
     if pk.shape[1]:
-        o, lse = part_forward(_fold(q, pk.shape[0]), pk[None], pv[None], False, scale, kernel)
+        o, lse, aux = _forward(_fold(q, pk.shape[0]), pk[None], pv[None], False, scale, kernel)
         o, lse = _unfold(o, b, h), _unfold(lse, b, h)
     else:  # a rank that holds none of the visible rows
         o = q.new_zeros(*q.shape[:-1], pv.shape[-1])
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-    return (o, lse) if parallel is None else parallel.merge(o, lse)
+    return (o, lse, aux) if parallel is None else (*parallel.merge(o, lse), aux)
 
 
 class _PrefixSegmentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel):
-        o_p, l_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
-        o_s, l_s = part_forward(q, k, v, True, scale, kernel)
+        o_p, l_p, aux_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
+        o_s, l_s, aux_s = _forward(q, k, v, True, scale, kernel)
         o, lse = merge_parts(o_p, l_p, o_s, l_s)
+        ctx.aux = (aux_p, aux_s)
         ctx.save_for_backward(q, k, v, o, lse)
         # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
         # attribute (autograd's version check would otherwise reject the later appends beyond it).
@@ -168,11 +241,13 @@ class _PrefixSegmentAttention(torch.autograd.Function):
         b, h = q.shape[:2]
         hkv = k.shape[1]
         do = do.contiguous()
-        dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel)
+        aux_p, aux_s = ctx.aux
+        dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel, aux_s)
         dqp = torch.zeros_like(dq) if ctx.parallel is not None else None  # a rank may hold none of the rows
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
-            dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel)
+            dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel,
+                                          aux_p)
             if gk is not None:
                 gk.add_(dpk[0])
                 gv.add_(dpv[0])
@@ -215,5 +290,5 @@ def decode_attention(
         raise ValueError("decode_attention takes one query token per row")
     o, lse = part_forward(q, own_k, own_v, False, scale)
     if prefix is not None and (parallel is not None or prefix[0].shape[1]):
-        o, lse = merge_parts(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel), o, lse)
+        o, lse = merge_parts(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel)[:2], o, lse)
     return o

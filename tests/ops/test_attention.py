@@ -281,3 +281,57 @@ def test_strided_inputs_and_prefix_views(kernel):
     for got, want in zip([x.grad for x in leaves] + [gkbuf[:, :n], gvbuf[:, :n]], (rq, rk, rv, rpk, rpv)):
         assert max_err(got, want) <= 2e-5
     assert gkbuf[:, n:].abs().max() == 0 and gvbuf[:, n:].abs().max() == 0
+
+
+@pytest.mark.parametrize("device,dtype,qk,v,want", [
+    ("cpu", torch.bfloat16, 128, 128, "cpu_flash"),
+    ("cuda", torch.bfloat16, 256, 256, "cuda_flash"),  # Qwen3.5's gated attention
+    ("cuda", torch.float16, 128, 128, "cuda_flash"),
+    ("cuda", torch.float32, 128, 128, "cuda_efficient"),
+    ("cuda", torch.bfloat16, 576, 512, "torch"),  # absorbed MLA: key and value widths differ
+    ("cuda", torch.bfloat16, 320, 320, "torch"),  # beyond FlashAttention-2's 256
+    ("cuda", torch.float64, 64, 64, "torch"),
+    ("mps", torch.float32, 64, 64, "torch"),
+])
+def test_kernel_choice(device, dtype, qk, v, want):
+    from longstraw.ops.attention import choose_kernel
+
+    assert choose_kernel(device, dtype, qk, v) == want
+
+
+@pytest.mark.parametrize("kernel,dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
+def test_cuda_kernels_plumbing_on_meta_tensors(kernel, dtype):
+    """The CUDA kernels' calls (arguments, the padded log-sum-exp of the efficient kernel, GQA expanded for the
+    segment part and folded back) checked with meta tensors, which run the ops' shape functions: forward and
+    backward give the shapes and dtypes of the reference. Their numerics need a GPU (test below)."""
+    meta = dict(device="meta", dtype=dtype)
+    q = torch.empty(2, 4, 5, 16, **meta, requires_grad=True)
+    k = torch.empty(2, 2, 5, 16, **meta, requires_grad=True)
+    v = torch.empty(2, 2, 5, 16, **meta, requires_grad=True)
+    pk, pv = torch.empty(2, 37, 16, **meta), torch.empty(2, 37, 16, **meta)
+    gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
+    out = segment_attention(q, k, v, 0.25, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    out.backward(torch.empty_like(out))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert k.grad.dtype == dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run bench/gpu/run.sh on one)")
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_cuda_kernels_equal_the_reference(dtype, tol):
+    torch.manual_seed(0)
+    args = [torch.randn(2, 4, 33, 64), torch.randn(2, 2, 33, 64), torch.randn(2, 2, 33, 64)]
+    prefix = [torch.randn(2, 300, 64), torch.randn(2, 300, 64)]
+    do = torch.randn(2, 4, 33, 64)
+
+    def run(device, kernel, dt):
+        q, k, v = (x.to(device, dt).requires_grad_() for x in args)
+        pk, pv = (x.to(device, dt) for x in prefix)
+        gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
+        out = segment_attention(q, k, v, 0.125, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+        out.backward(do.to(device, dt))
+        return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad, gk, gv)]
+
+    for a, b in zip(run("cuda", "auto", dtype), run("cpu", "torch", torch.float32)):
+        assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))

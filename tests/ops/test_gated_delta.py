@@ -324,3 +324,26 @@ def test_model_prefix_state_gradient(fp64_model_and_state, layer):
 
     # the state itself was only read
     assert all(torch.equal(a, b) for a, b in zip(snapshot, state.snapshot()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with flash-linear-attention (the gpu extra)")
+def test_cuda_kernel_equals_the_reference_with_initial_state_gradient():
+    """gated_delta_rule on CUDA (flash-linear-attention's chunk kernel) against the torch reference on CPU:
+    outputs, final state and the gradients of all inputs, the initial state's (dh0) included."""
+    from longstraw.ops.gated_delta import _fla_kernel, gated_delta_rule
+
+    if _fla_kernel() is None:
+        pytest.skip("flash-linear-attention is not installed (pip install -e '.[gpu]')")
+    torch.manual_seed(0)
+    b, t, hk, hv, dk, dv = 1, 100, 2, 4, 64, 64
+    inputs = [torch.randn(b, t, hk, dk), torch.randn(b, t, hk, dk), torch.randn(b, t, hv, dv),
+              -torch.rand(b, t, hv), torch.rand(b, t, hv), torch.randn(b, hv, dk, dv)]
+
+    def run(device, fn):
+        xs = [x.to(device).requires_grad_() for x in inputs]
+        o, final = fn(*xs[:5], initial_state=xs[5])
+        (o.float().square().sum() + final.float().square().sum()).backward()
+        return [t.detach().float().cpu() for t in (o, final, *(x.grad for x in xs))]
+
+    for a, want in zip(run("cuda", gated_delta_rule), run("cpu", chunk_gated_delta_rule)):
+        assert float((a - want).abs().max()) <= 2e-3 * max(1.0, float(want.abs().max()))
