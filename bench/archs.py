@@ -62,4 +62,11 @@ def glm_moe_dsa_config(max_pos: int) -> dict:
     }
 
 
-ARCHS = {"dense": dense_config, "qwen3_5": qwen3_5_config, "glm_moe_dsa": glm_moe_dsa_config}
+def dense_wide_config(max_pos: int) -> dict:
+    """A wider dense model (4 layers, hidden 1024, ~60M parameters): weight products a real share of a step."""
+    return {**dense_config(max_pos), "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 64}
+
+
+ARCHS = {"dense": dense_config, "dense-wide": dense_wide_config, "qwen3_5": qwen3_5_config,
+         "glm_moe_dsa": glm_moe_dsa_config}

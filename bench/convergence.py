@@ -397,13 +397,14 @@ def _cells(seeds: tuple[int, ...], spec: list[tuple[str, str, int, tuple[int, ..
     return tuple(out)
 
 
-# The dense warm start is `make run`'s (configs/sft-tiny.yaml as it is). multi-hop: the same config's per-task
-# settings (448 tokens). Qwen3.5: a longer one-pair phase, since at sft-tiny's 30% it learns the answer format but
-# not to copy (greedy reward 0.000 after 300 steps, and answers that do not depend on the prompt).
+# Warm starts: configs/sft-tiny.yaml as it is (the dense kv-retrieval one is `make run`'s), with fewer steps where
+# noted. Neither multi-hop (200 steps) nor the Qwen3.5 hybrid (300 steps; 400 with 60% of them on one-pair prompts
+# did no better) learns to read its prompt within the budget: they learn the answer format, and their answers do
+# not depend on the prompt. bench/RESULTS.md reports what that means for the study.
 PLANS = {
     "quick": Plan(
         warm={("dense", "kv-retrieval"): {"steps": 120}, ("dense", "multi-hop"): {"steps": 40},
-              ("qwen3_5", "kv-retrieval"): {"steps": 40, "curriculum": [[190, 0.6]]}},
+              ("qwen3_5", "kv-retrieval"): {"steps": 40}},
         cells=_cells((0, 1), [("dense", "kv-retrieval", 205, (0,)), ("dense", "kv-retrieval", 1600, ()),
                               ("dense", "multi-hop", 448, (0,)), ("dense", "multi-hop", 1600, ()),
                               ("qwen3_5", "kv-retrieval", 205, (0,))]),
@@ -411,10 +412,10 @@ PLANS = {
     ),
     "full": Plan(
         warm={("dense", "kv-retrieval"): {"steps": 700}, ("dense", "multi-hop"): {"steps": 200},
-              ("qwen3_5", "kv-retrieval"): {"steps": 400, "curriculum": [[190, 0.6]]}},
+              ("qwen3_5", "kv-retrieval"): {"steps": 300}},
         cells=_cells((0, 1, 2), [("dense", "kv-retrieval", 205, (0,)), ("dense", "kv-retrieval", 1600, (0,)),
                                  ("dense", "multi-hop", 448, (0,)), ("dense", "multi-hop", 1600, ()),
-                                 ("qwen3_5", "kv-retrieval", 205, (0,)), ("qwen3_5", "kv-retrieval", 700, ())]),
+                                 ("qwen3_5", "kv-retrieval", 205, (0,))]),
         steps=16, pool=4, held_out=16, eval_every=4, sweep_tokens=(205, 448, 1024, 2048, 4096), sweep_prompts=2,
     ),
 }
@@ -452,13 +453,23 @@ def run_cell(cell: Cell, warm: Path, plan: Plan, tok: Tokenizer, progress: bool)
     return out
 
 
-def sweep(model: str, task: str, warm: Path, plan: Plan, tok: Tokenizer, progress: bool) -> list[dict]:
-    """Gradient fidelity against P/R without training: at the warm-started weights, G answers sampled per prompt,
-    exact vs detached gradient of that group. Prompts whose answers all score alike (no gradient) are skipped."""
-    model_ = ls.load_model(warm)
+def random_model(model: str) -> torch.nn.Module:
+    """The warm start's architecture at its random initialisation (seed 0)."""
+    torch.manual_seed(0)
+    config = QWEN3_5_TINY if model == "qwen3_5" else load_config(SFT_CONFIG, SFTConfig).model.random
+    return ls.build_model(config)
+
+
+def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, progress: bool) -> list[dict]:
+    """Gradient fidelity against P/R without training: G answers sampled per prompt, exact vs detached gradient of
+    that group. At the warm-started weights the advantages come from the task's reward (prompts whose answers all
+    score alike, which give no gradient, are skipped); at the random initialisation (`warm=None`, labelled
+    '<model> init') every answer scores 0, so the advantages are random, as in `longstraw step`."""
+    model_ = ls.load_model(warm) if warm is not None else random_model(model)
+    label = model if warm is not None else f"{model} init"
     spec, cfg = TASKS[task], RunConfig(mode="exact")
     out = []
-    for tokens in tqdm(plan.sweep_tokens, desc=f"sweep {model} {task}", disable=not progress, leave=False):
+    for tokens in tqdm(plan.sweep_tokens, desc=f"sweep {label} {task}", disable=not progress, leave=False):
         if tokens < MIN_TOKENS[task]:  # shorter than the task's shortest prompt
             continue
         found, k = 0, 0
@@ -468,17 +479,20 @@ def sweep(model: str, task: str, warm: Path, plan: Plan, tok: Tokenizer, progres
             prompt = torch.tensor(prompt_ids(tok, ex))
             state = ls.capture(model_, prompt, chunk_size=cfg.grpo.prompt_chunk)
             samples = ls.rollout(model_, state, n=cfg.responses, max_new_tokens=spec.max_new_tokens,
-                                 temperature=cfg.temperature, stop_ids=[tok.eos_id], seed=k)
+                                 temperature=cfg.temperature, stop_ids=[tok.eos_id], seed=1_000 * k)
             del state
-            rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(samples),
-                                         [tok.decode(s.tokens.tolist()) for s in samples])
+            if warm is None:
+                rewards = torch.randn(len(samples), generator=torch.Generator().manual_seed(k)).tolist()
+            else:
+                rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(samples),
+                                             [tok.decode(s.tokens.tolist()) for s in samples])
             adv = ls.group_advantages(rewards)
             if not bool(adv.abs().gt(0).any()):
                 continue
             responses = [s.tokens for s in samples]
             exact, detached, seconds = exact_and_detached(model_, prompt, responses, adv, cfg.grpo)
             r = statistics.fmean(len(x) for x in responses)
-            out.append({"model": model, "task": task, "prompt_tokens": tokens, "prompt_len": len(prompt),
+            out.append({"model": label, "task": task, "prompt_tokens": tokens, "prompt_len": len(prompt),
                         "response_len": r, "p_over_r": len(prompt) / r, "seconds": seconds,
                         **compare(exact, detached)})
             found += 1
@@ -565,7 +579,7 @@ def _same_steps(naive: dict, exact: dict | None) -> dict | None:
 
 def layer_label(model: str, part: str) -> str:
     """'L3' -> 'L3 attn' for the Qwen3.5 hybrid (every 4th layer is full attention, the others Gated DeltaNet)."""
-    if model != "qwen3_5" or not part.startswith("L"):
+    if not model.startswith("qwen3_5") or not part.startswith("L"):
         return part
     return f"{part} {'attn' if (int(part[1:]) + 1) % 4 == 0 else 'DeltaNet'}"
 
@@ -695,8 +709,9 @@ def plot_cos_pr(runs: list[dict], sweeps: list[dict], out: Path) -> Path:
         color = f"C{i}"
         pts = sorted((s["p_over_r"], s["cos"], s["rel_l2"]) for s in sweeps if (s["model"], s["task"]) == (model, task))
         if pts:
-            ax_cos.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, ms=3, label=f"{model} {task}")
-            ax_l2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", color=color, ms=3, label=f"{model} {task}")
+            style = "o--" if model.endswith("init") else "o-"  # random initialisation, random advantages
+            ax_cos.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, ms=3, label=f"{model} {task}")
+            ax_l2.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, ms=3, label=f"{model} {task}")
         for rs in _by_cell([r for r in runs if (r["model"], r["task"]) == (model, task)]).values():
             hs = [h for r in rs for h in _steps(r) if "cos" in h]
             if hs:
@@ -709,7 +724,8 @@ def plot_cos_pr(runs: list[dict], sweeps: list[dict], out: Path) -> Path:
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3, which="both")
     ax_cos.legend(fontsize=7)
-    fig.suptitle("gradient fidelity vs P/R: lines = warm-started weights, squares = training runs", fontsize=9)
+    fig.suptitle("gradient fidelity vs P/R: lines = warm-started weights (dashed: random init, random advantages), "
+                 "squares = training runs", fontsize=8)
     return _save(plt, fig, out / "convergence_cos_pr.png")
 
 
@@ -875,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for (model, task), path in warm.items():
         result["sweeps"] += sweep(model, task, path, plan, tok, progress)
+    for model in sorted({m for m, _ in warm}):  # the same architectures before any training
+        result["sweeps"] += sweep(model, "kv-retrieval", None, plan, tok, progress)
     meta["sweep_seconds"] = time.perf_counter() - t0
     for cell in tqdm(plan.cells, desc="cells", disable=not progress):
         result["runs"] += run_cell(cell, warm[cell.model, cell.task], plan, tok, progress)

@@ -7,6 +7,7 @@ then measures exactly one `grpo_backward` call: wall seconds, and peak RSS above
     .venv/bin/python bench/grpo_step.py             # full grid: P in {1024, 4096, 16384}, G in {2, 4, 8, 16}
     .venv/bin/python bench/grpo_step.py --quick     # smoke grid: P in {512, 1024}, G in {2, 4}
     .venv/bin/python bench/grpo_step.py --P 4096 --G 2 16 --modes exact detached
+    .venv/bin/python bench/grpo_step.py --P 4096 16384 --G 8 --modes exact exact-lora --lora 8   # LoRA vs full
 
 Absolute times are noise on a shared machine; compare the ratios, which come from the same run.
 Cost model (DESIGN.md; forward = 1 unit/token, backward = 2): naive 3G(P+R), detached P+3GR,
@@ -36,7 +37,12 @@ MODES = {
     "detached": ("detached", None),
     "exact": ("exact", None),
     "exact-recompute": ("exact", 0),
+    # with LoRA adapters (rank --lora) on every attention and MLP projection, the base frozen
+    "detached-lora": ("detached", None),
+    "exact-lora": ("exact", None),
+    "exact-recompute-lora": ("exact", 0),
 }
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEFAULT_MODES = ["naive", "detached", "exact", "exact-recompute"]
 
 
@@ -69,6 +75,9 @@ def worker(params: dict) -> dict:
     torch.manual_seed(params["seed"])
     hf_cfg = ARCHS[params["arch"]](params["max_pos"])
     model = ls.build_model(hf_cfg, dtype=torch.float32)
+    if params["mode"].endswith("-lora"):
+        ls.add_lora(model, r=params["lora"], alpha=2.0 * params["lora"],
+                    target_modules=[t for t in LORA_TARGETS if any(n.endswith(t) for n, _ in model.named_modules())])
     vocab = hf_cfg["vocab_size"]
     gen = torch.Generator().manual_seed(params["seed"] + 1)
     prompt = torch.randint(0, vocab, (p_len,), generator=gen)
@@ -123,6 +132,7 @@ def worker(params: dict) -> dict:
         "grad_norm": grad_norm,
         "activation_bytes_per_token": activation_bytes_per_token(model),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
 
@@ -272,6 +282,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores)")
     ap.add_argument("--prompt-chunk", type=int, default=None, help="GRPOConfig.prompt_chunk (default: library's)")
     ap.add_argument("--branch-batch", type=int, default=1, help="GRPOConfig.branch_batch")
+    ap.add_argument("--lora", type=int, default=8, metavar="R",
+                    help="rank of the adapters of the *-lora modes (e.g. --modes exact exact-lora)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true", help="measure the first (cold) call of each mode")
     ap.add_argument("--quick", action="store_true", help="smoke grid: P in {512, 1024}, G in {2, 4}")
@@ -333,7 +345,7 @@ def main(argv=None) -> int:
                 params = {
                     "mode": mode, "P": p, "G": g, "R": args.R, "arch": args.arch, "threads": threads,
                     "prompt_chunk": chunk, "branch_batch": args.branch_batch, "seed": args.seed, "max_pos": max_pos,
-                    "warmup": not args.no_warmup,
+                    "warmup": not args.no_warmup, "lora": args.lora,
                 }
                 skip = None
                 if mode == "naive" and args.skip_naive_above is not None and p > args.skip_naive_above:

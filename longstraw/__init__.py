@@ -4,6 +4,7 @@ from .engine.backward import MODES, grpo_backward
 from .engine.capture import capture
 from .engine.replay import score
 from .grpo import GRPOConfig, group_advantages
+from .lora import add_lora
 from .models import SUPPORTED_MODEL_TYPES, build_model, load_model
 from .rollout import Sample, rollout
 from .state import AttentionState, PrefixState
@@ -15,6 +16,7 @@ __all__ = [
     "GRPOConfig",
     "PrefixState",
     "Sample",
+    "add_lora",
     "build_model",
     "capture",
     "group_advantages",

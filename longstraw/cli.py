@@ -61,13 +61,23 @@ def _plan(args: argparse.Namespace) -> int:
     from .plan import format_plan, measured_activation_bytes, plan, smallest_fit
 
     cfg = read_config(args.config)
-    act = int(args.activation_kb * 1e3) if args.activation_kb else measured_activation_bytes(cfg)
+    lora = None if args.lora is None else {"r": args.lora, "target_modules": args.lora_targets}
+    act = int(args.activation_kb * 1e3) if args.activation_kb else measured_activation_bytes(cfg, lora)
     kw = dict(zero=args.zero, chunk=args.chunk, responses=args.responses, response_tokens=args.response_tokens,
-              activation_bytes=act)
+              activation_bytes=act, lora=lora)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     print(format_plan(r, *fits))
     _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1]})
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .train.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, merge=args.merge)
+    what = "merged weights" if args.merge else "weights (and the LoRA adapter, if any, in PEFT's layout)"
+    print(f"wrote {what} to {out}: an HF checkpoint directory (transformers' from_pretrained, longstraw's load_model)")
     return 0
 
 
@@ -120,8 +130,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--responses", type=int, default=8, help="G")
     p.add_argument("--response-tokens", type=int, default=1024, help="R")
     p.add_argument("--activation-kb", type=float, help="activations per token (KB) instead of measuring them")
+    p.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R instead of full fine-tuning")
+    p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"],
+                   help="the modules the adapters go on (default q_proj k_proj v_proj o_proj)")
     p.add_argument("--json", help="also write the plan to this JSON file")
     p.set_defaults(func=_plan)
+    p = sub.add_parser("export", help="a training checkpoint's weights as an HF checkpoint (--merge: LoRA merged in)")
+    p.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/x/checkpoints/update-000008")
+    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--merge", action="store_true", help="merge the LoRA adapter into the base weights")
+    p.set_defaults(func=_export)
     p = sub.add_parser("sft", help="supervised warm start of a tiny model on a built-in task (reward before/after)")
     p.add_argument("--config", default="configs/sft-tiny.yaml", help="YAML SFTConfig")
     p.add_argument("--task", help="override the config's task (kv-retrieval, multi-hop, needle-count)")

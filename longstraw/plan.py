@@ -22,6 +22,7 @@ import torch
 
 from .engine.backward import boundary_interval
 from .engine.budget import activation_bytes_per_token
+from .lora import add_lora, check_lora_targets
 from .models.registry import build, build_model, config_from_hf
 from .state_size import state_size
 
@@ -53,12 +54,21 @@ def _layers(cfg: dict, n: int) -> dict:
     return out
 
 
-def measured_activation_bytes(hf_config: dict) -> int:
+def measured_activation_bytes(hf_config: dict, lora: dict | None = None) -> int:
     """Autograd-saved bytes per prompt token of the whole model (bf16), from proxies of one and two layers of each
-    kind: a prompt chunk's last layer only emits its state, so a layer costs what the second one adds."""
+    kind: a prompt chunk's last layer only emits its state, so a layer costs what the second one adds. With `lora`
+    (add_lora's arguments) the proxies carry the adapters and frozen weights, which save less (no input is kept
+    for a frozen weight's gradient)."""
     def probe(cfg: dict) -> int:
         torch.manual_seed(0)
-        return activation_bytes_per_token(build_model(cfg, dtype=torch.bfloat16))
+        model = build_model(cfg, dtype=torch.bfloat16)
+        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        present = [t for t in (lora or {}).get("target_modules", []) if any(n.endswith("." + t) for n in names)]
+        if present:  # a proxy of one layer kind has only that kind's modules
+            add_lora(model, r=lora["r"], target_modules=present)
+        elif lora is not None:
+            model.requires_grad_(False)
+        return activation_bytes_per_token(model)
 
     total = 0
     for count, cfg, has_last in _proxies(hf_config):
@@ -68,10 +78,21 @@ def measured_activation_bytes(hf_config: dict) -> int:
     return total
 
 
+def adapter_parameters(hf_config: dict, r: int, target_modules: list[str]) -> int:
+    """Parameters of LoRA adapters of rank r on the named linear modules: r x (in + out) each."""
+    with torch.device("meta"):
+        model = build(hf_config)
+    check_lora_targets(model, target_modules)
+    return sum(r * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in target_modules))
+
+
 def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
-         chunk: int = 2048, responses: int = 8, response_tokens: int = 1024, activation_bytes: int | None = None
-         ) -> dict:
-    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them)."""
+         chunk: int = 2048, responses: int = 8, response_tokens: int = 1024, activation_bytes: int | None = None,
+         lora: dict | None = None) -> dict:
+    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them). With
+    `lora` ({r, target_modules}), the adapters' count replaces the parameters in the gradients and the optimizer
+    (fp32 adapters: weights, gradients and two moments, 16 bytes each), and the base weights are frozen bf16."""
     c = sp or gpus
     if gpus % c or c < 1:
         raise ValueError(f"--sp {c} must divide --gpus {gpus}")
@@ -80,11 +101,17 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     with torch.device("meta"):
         params = sum(p.numel() for p in build(hf_config).parameters())
     size = state_size(hf_config, tokens, "bf16", chunk)
-    act = measured_activation_bytes(hf_config) if activation_bytes is None else activation_bytes
+    act = measured_activation_bytes(hf_config, _lora_args(lora)) if activation_bytes is None else activation_bytes
     n = gpus
     weights = 2 * params / (n if zero >= 3 else 1)
     grads = 2 * params / (n if zero >= 2 else 1)
     optim = 12 * params / (n if zero >= 1 else 1)
+    adapters = 0
+    if lora is not None:
+        adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"])
+        weights += 4 * adapters
+        grads = 4 * adapters / (n if zero >= 2 else 1)
+        optim = 8 * adapters / (n if zero >= 1 else 1)
     rows = size["bytes_per_token"] * tokens / c
     state = rows + size["fixed_bytes"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
@@ -99,7 +126,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     exact = common + dstate + boundaries + max(chunk_act, branch_act)
     detached = common + branch_act  # its capture runs without autograd
     return {
-        "model_type": size["model_type"], "parameters": params, "tokens": tokens, "gpus": gpus, "sp": c,
+        "model_type": size["model_type"], "parameters": params, "adapter_parameters": adapters, "tokens": tokens,
+        "gpus": gpus, "sp": c,
         "dp": gpus // c, "zero": zero, "chunk": chunk, "boundary_every": every, "branches_per_group": branches,
         "activation_bytes_per_token": act, "gpu_bytes": budget,
         "per_rank": {"parameters": weights, "gradients": grads, "optimizer": optim, "state shard": state,
@@ -112,18 +140,23 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
 
 def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
     """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096."""
-    act = kw.pop("activation_bytes", None) or measured_activation_bytes(hf_config)
+    act = kw.pop("activation_bytes", None) or measured_activation_bytes(hf_config, _lora_args(kw.get("lora")))
     for n in [2**i for i in range(13)]:
         if plan(hf_config, tokens, n, gpu_mem_gb, activation_bytes=act, **kw)[f"{mode}_fits"]:
             return n
     return None
 
 
+def _lora_args(lora: dict | None) -> dict | None:
+    return None if lora is None else {"r": lora["r"], "target_modules": lora["target_modules"]}
+
+
 def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str:
     gb = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
     lines = [f"{r['model_type']}: {r['parameters'] / 1e9:.2f}B parameters, {r['tokens']:,} tokens, {r['gpus']} GPUs "
              f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
-             f"chunk {r['chunk']:,}", f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token "
+             f"chunk {r['chunk']:,}" + (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters"
+                                        if r["adapter_parameters"] else ""), f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token "
              "(measured on one- and two-layer proxies)", "per rank:"]
     for name, b in r["per_rank"].items():
         lines.append(f"  {name:<26}{gb(b)}")

@@ -325,7 +325,10 @@ def prompt_backward(model: PrefixLM, state: PrefixState, grad: Grad, kept: dict[
                 grads += grad[j].segment_grads(s, e)
             else:
                 grads += _row_grads(state, grad[j], new, s, e, parallel, owner)
-        torch.autograd.backward(outputs, grads)
+        # with frozen weights (LoRA) some outputs have no path to anything trainable (layer 0's K/V of chunk 0)
+        live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        if live:
+            torch.autograd.backward(*map(list, zip(*live)))
         for j, leaf in enumerate(leaves):
             if (g := leaf.leaf_grad()) is not None:
                 grad[j] = g

@@ -39,7 +39,8 @@ def safetensors_files(path: str | Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shards that are missing: {missing[:3]}")
         return [p / s for s in shards]
-    files = sorted(p.glob("*.safetensors"))
+    # a PEFT adapter beside the weights (a LoRA run's checkpoint) is not part of the model
+    files = sorted(f for f in p.glob("*.safetensors") if f.name != "adapter_model.safetensors")
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors in {p}; convert .bin checkpoints with transformers' save_pretrained "

@@ -9,6 +9,11 @@ A checkpoint directory (`update-NNNNNN/`):
                                      the AdamW state rank R-1 held, written by torch.distributed.checkpoint (DCP)
                                      with its HF storage writer: safetensors whose header gives each tensor's offset
                                      in the whole (no pickled .metadata, which DCP's default writer would add)
+    adapter_model.safetensors, adapter_config.json
+                                     with LoRA: the adapter in PEFT's layout (`PeftModel.from_pretrained` on the
+                                     transformers model reads it); the frozen base weights (config.json,
+                                     model.safetensors) are then written once, at update 0, which later
+                                     checkpoints name (`base_checkpoint`)
     trainer/rng.safetensors          rank 0's torch RNG
     trainer.json                     written last: format, counters, param groups, the optimizer state's keys with
                                      shapes and dtypes, which rank wrote which shard, the python RNG, the sha256 of
@@ -50,6 +55,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..files import atomic_output, digest, sha256_file
+from ..lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, base_state, has_lora, load_adapter_state,
+                    merged_state, save_adapter)
 from ..models import load_model
 from ..models.checkpoint import write_state_dict
 from ..parallel import is_sharded
@@ -61,6 +68,7 @@ OLD_FORMATS = {"longstraw-checkpoint/1": "one process's whole optimizer state in
 OPTIMIZER = "trainer/optimizer"  # DCP's shard files, one per rank that held any optimizer state
 RNG = "trainer/rng.safetensors"
 WEIGHTS = ("config.json", "model.safetensors")
+ADAPTER = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)  # PEFT's files, with LoRA
 
 
 # ---- the ranks ------------------------------------------------------------------------------------------------------
@@ -173,19 +181,22 @@ def _full_weights(model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None
 # ---- save -------------------------------------------------------------------------------------------------------------
 def save_checkpoint(
     directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, update: int, step: int, extra: dict,
-    weights_version: str | None = None,
+    weights_version: str | None = None, base: str | Path | None = None,
 ) -> Path:
     """Write the checkpoint of `update` (optimizer updates done so far) atomically at `directory`.
 
     A collective when torch.distributed is initialised (every rank calls it, with its share of the model and
     optimizer); no rank returns before the checkpoint is committed, and a failure on any rank raises on all.
-    `weights_version`: the name of these weights (default: the content digest of the weight files' sha256)."""
+    `weights_version`: the name of these weights (default: the content digest of the weight files' sha256).
+    With LoRA adapters the checkpoint holds the adapter in PEFT's layout, and the frozen base weights only when
+    `base` is None; else `base` names the checkpoint that holds them (a run writes them once, at update 0)."""
     final = Path(directory)
     rank, world = _rank_world()
+    lora = has_lora(model)
     state = _optimizer_state(model, optimizer)
     specs = dict(sorted({k: v for part in _gather({k: _spec(t) for k, t in state.items()}) for k, v in part.items()}
                         .items()))
-    weights = _full_weights(model, rank)
+    weights = _full_weights(model, rank)  # with LoRA: base and adapter, split below
     reached_commit = False
     listed: list[str] = []
     err: BaseException | None = None
@@ -197,7 +208,12 @@ def save_checkpoint(
                 try:
                     tmp_name = stack.enter_context(atomic_output(final))
                     (Path(tmp_name) / "trainer").mkdir(parents=True)
-                    write_state_dict(weights, model.config, tmp_name)
+                    if lora:
+                        save_adapter(model, tmp_name, str(base or final), state=weights)
+                        if base is None:  # the frozen base weights, once per run
+                            write_state_dict(base_state(model, weights), model.config, tmp_name)
+                    else:
+                        write_state_dict(weights, model.config, tmp_name)
                     save_file({"torch": torch.get_rng_state()}, str(Path(tmp_name) / RNG))
                 except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
                     err = e
@@ -212,7 +228,8 @@ def save_checkpoint(
                     dcp.save(state, storage_writer=writer, no_dist=not _distributed())
             mine: dict[str, str] = {}
             try:
-                names = ([*WEIGHTS, RNG] if rank == 0 else []) + [f"{OPTIMIZER}/{n}" for n in writer.written]
+                mine_weights = [n for n in (*WEIGHTS, *ADAPTER) if (tmp / n).is_file()]
+                names = ([*mine_weights, RNG] if rank == 0 else []) + [f"{OPTIMIZER}/{n}" for n in writer.written]
                 mine = {n: sha256_file(tmp / n) for n in names}  # hashed once, here; `read_trainer` trusts the stamp
             except Exception as e:  # noqa: BLE001
                 err = e
@@ -233,7 +250,10 @@ def save_checkpoint(
                                         if n.startswith(OPTIMIZER + "/")},
                     "python_rng": _jsonable(random.getstate()),
                     # the weights' content hash from the checksums just taken, not another pass over 54 GB of tensors
-                    "weights_version": weights_version or digest({n: files[n] for n in WEIGHTS}),
+                    "weights_version": weights_version or digest({n: h for n, h in files.items()
+                                                                  if n in (*WEIGHTS, *ADAPTER)}),
+                    **({"lora": model.lora_spec, "base_checkpoint": None if base is None else str(base)}
+                       if lora else {}),
                     **extra,
                     "files": files,
                 }
@@ -349,7 +369,14 @@ def load_checkpoint(
     state its optimizer holds, from whichever shard files hold it (DCP reshards: any world size, any stage)."""
     d = Path(directory)
     meta = read_trainer(d)
-    model = load_model(d, dtype=dtype, device=device)
+    if "lora" in meta:  # the frozen base weights (here, or in the checkpoint named), then the adapter
+        base = Path(meta["base_checkpoint"] or d)
+        if base != d:
+            read_trainer(base)
+        model = add_lora(load_model(base, dtype=dtype, device=device), **meta["lora"])
+        load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
+    else:
+        model = load_model(d, dtype=dtype, device=device)
     if prepare is not None:
         prepare(model)
     optimizer = optimizer_factory(model)
@@ -409,3 +436,24 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
         return None
     done = sorted(p for p in checkpoints.glob("update-*") if p.name[7:].isdigit() and (p / "trainer.json").is_file())
     return done[-1] if done else None
+
+
+def export_checkpoint(directory: str | Path, out: str | Path, merge: bool = False) -> Path:
+    """A checkpoint's weights as an HF checkpoint directory at `out` (written atomically): the weights; with LoRA
+    the base weights plus the adapter in PEFT's layout, or with `merge` the adapter merged into them (W + s B A).
+    One process (it reads the whole model)."""
+    d = Path(directory)
+    meta = read_trainer(d)
+    lora = "lora" in meta
+    base = Path(meta.get("base_checkpoint") or d)
+    model = load_model(base)
+    if lora:
+        model = add_lora(model, **meta["lora"])
+        load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
+    with atomic_output(Path(out)) as tmp:
+        Path(tmp).mkdir()
+        write_state_dict(merged_state(model) if lora and merge else base_state(model) if lora
+                         else model.state_dict(), model.config, tmp)
+        if lora and not merge:
+            save_adapter(model, tmp, str(Path(out).resolve()))
+    return Path(out)

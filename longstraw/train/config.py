@@ -32,6 +32,25 @@ class OptimConfig(_Strict):
         "shard_model; 2 keeps a layer's weights gathered from its forward to its backward)")
 
 
+class LoraSpec(_Strict):
+    """LoRA adapters (PEFT) on the named linear modules; the base weights stay frozen (longstraw/lora.py)."""
+
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scale alpha / r")
+    dropout: float = Field(0.0, ge=0, description="must be 0: exact mode recomputes prompt chunks")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="module name suffixes, as PEFT matches them (q_proj, gate_proj, ...)")
+
+    @model_validator(mode="after")
+    def _no_dropout(self) -> "LoraSpec":
+        if self.dropout:
+            raise ValueError(f"lora.dropout {self.dropout} is not supported: exact mode recomputes prompt chunks and "
+                             "needs the same forward each time; set it to 0")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj]")
+        return self
+
+
 class StoreConfig(_Strict):
     url: str | None = Field(None, description="fsspec URL of the zarr store (prefix states under states/, rollouts "
                             "under rollouts/); default: <run_dir>/store")
@@ -119,6 +138,7 @@ class TrainConfig(_Strict):
     scale_advantages: bool = Field(True, description="divide advantages by the group's std (Dr. GRPO: false)")
     grpo: GRPOConfig = GRPOConfig()
     optim: OptimConfig = OptimConfig()
+    lora: LoraSpec | None = Field(None, description="LoRA adapters instead of full fine-tuning (absent: full)")
     seed: int = 0
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     run_dir: str = "runs/grpo"

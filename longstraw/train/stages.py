@@ -18,8 +18,9 @@ from fsspec.core import url_to_fs
 from ..data import Example, check_vocab, load_tokenizer
 from ..grpo import group_advantages
 from ..grpo.rewards import compute_rewards, get_reward
+from ..lora import check_lora_targets
 from ..models.checkpoint import read_config
-from ..models.registry import config_from_hf
+from ..models.registry import build, config_from_hf
 from ..store import load_rollout as store_load_rollout
 from .artifacts import save_json
 from .config import TrainConfig
@@ -66,6 +67,9 @@ def preflight(cfg: TrainConfig) -> None:
     hf = read_config(cfg.model.path) if cfg.model.path else cfg.model.random
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+    if cfg.lora is not None:  # the targets name modules of this model (checked on a weightless copy)
+        with torch.device("meta"):
+            check_lora_targets(build(hf), cfg.lora.target_modules)
     if len(ids) - 1 < (sp := cfg.pipeline.sequence_parallel):
         raise ValueError(f"a prompt of {len(ids)} tokens leaves some of the {sp} sequence-parallel ranks without a "
                          "token; raise prompt_tokens or lower pipeline.sp")

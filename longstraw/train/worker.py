@@ -38,6 +38,7 @@ from ..engine.capture import capture
 from ..engine.replay import score
 from ..files import remove_stale_temporaries
 from ..grpo import token_weights
+from ..lora import add_lora
 from ..memory import PeakMeter, free_bytes
 from ..models import build_model, load_model
 from ..parallel import balanced_ranges, is_sharded, shard_model
@@ -129,6 +130,8 @@ class Worker:
                      else build_model(cfg.model.random, dtype, self.device))
             tok = load_tokenizer(cfg.tokenizer)
             check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+            if cfg.lora is not None:  # adapters initialised from the run's seed too (B = 0: the base model's outputs)
+                add_lora(model, **cfg.lora.model_dump())
             self.model = self._prepare(model)
             self.optim = factory(self.model)
             latest = save_checkpoint(paths.checkpoint(0), self.model, self.optim, update=0, step=0, extra={})
@@ -293,11 +296,16 @@ class Worker:
         checkpoint = None
         if (last_of_step and (step + 1) % cfg.pipeline.checkpoint_every == 0) or self.update == cfg.updates:
             path = save_checkpoint(cfg.paths().checkpoint(self.update), self.model, self.optim, update=self.update,
-                                   step=step, weights_version=self.weights_version,
+                                   step=step, weights_version=self.weights_version, base=self._lora_base,
                                    extra={"skipped_update": bool(stats["skipped"]), "record": {**record, **stats}})
             checkpoint = str(path)
         return {"update": self.update, "weights_version": self.weights_version, "checkpoint": checkpoint, **stats,
                 "seconds": time.perf_counter() - t0}
+
+    @property
+    def _lora_base(self) -> str | None:
+        """With LoRA, where the frozen base weights are: in update 0's checkpoint, written once."""
+        return str(self.cfg.paths().checkpoint(0)) if self.cfg.lora is not None else None
 
     # ---- state and models -----------------------------------------------------------------------------------------
     def _load(self, ref: dict) -> PrefixState:

@@ -267,3 +267,24 @@ def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
     assert {"loss", "seconds", "tokens_per_s", "peak_bytes"} <= set(replay.data.metrics)
     artefacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"reward_curve.png", "config.json"} <= artefacts
+
+
+def test_a_resumed_lora_run_ends_bit_identical(tmp_path, counted, monkeypatch):
+    """LoRA through the pipeline: a replay fault in step 1, then resume; the adapter equals an uninterrupted run's
+    bit for bit. The base weights are written once (update 0); later checkpoints hold the adapter and name it."""
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    cfg = config(tmp_path / "run", lora=lora)
+    replay = _failing(monkeypatch, "replay", lambda kw: kw["step"] == 1)
+    with pytest.raises(Exception, match="injected replay fault"):
+        grpo_train(cfg, progress=False)
+    monkeypatch.setattr(Worker, "replay", replay)
+    grpo_train(cfg, progress=False)
+    clean = grpo_train(config(tmp_path / "clean", lora=lora), progress=False)
+    final = tmp_path / "run" / "checkpoints" / "update-000002"
+    got, want = load_file(str(final / "adapter_model.safetensors")), load_file(
+        f"{clean['checkpoint']}/adapter_model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    first = load_file(str(tmp_path / "run" / "checkpoints" / "update-000000" / "adapter_model.safetensors"))
+    assert any(not torch.equal(first[k], want[k]) for k in want)  # the adapter trained
+    assert not (final / "model.safetensors").exists()
+    assert json.loads((final / "trainer.json").read_text())["base_checkpoint"].endswith("update-000000")
