@@ -38,6 +38,7 @@ disk is pickled.
 from __future__ import annotations
 
 import json
+import os
 import random
 import warnings
 from collections.abc import Callable, Iterator
@@ -252,8 +253,9 @@ def save_checkpoint(
                     # the weights' content hash from the checksums just taken, not another pass over 54 GB of tensors
                     "weights_version": weights_version or digest({n: h for n, h in files.items()
                                                                   if n in (*WEIGHTS, *ADAPTER)}),
-                    **({"lora": model.lora_spec, "base_checkpoint": None if base is None else str(base)}
-                       if lora else {}),
+                    # relative: a run directory moved elsewhere still finds its base weights
+                    **({"lora": model.lora_spec,
+                        "base_checkpoint": None if base is None else os.path.relpath(base, final)} if lora else {}),
                     **extra,
                     "files": files,
                 }
@@ -370,7 +372,7 @@ def load_checkpoint(
     d = Path(directory)
     meta = read_trainer(d)
     if "lora" in meta:  # the frozen base weights (here, or in the checkpoint named), then the adapter
-        base = Path(meta["base_checkpoint"] or d)
+        base = d / meta["base_checkpoint"] if meta["base_checkpoint"] else d
         if base != d:
             read_trainer(base)
         model = add_lora(load_model(base, dtype=dtype, device=device), **meta["lora"])
@@ -445,7 +447,7 @@ def export_checkpoint(directory: str | Path, out: str | Path, merge: bool = Fals
     d = Path(directory)
     meta = read_trainer(d)
     lora = "lora" in meta
-    base = Path(meta.get("base_checkpoint") or d)
+    base = d / meta["base_checkpoint"] if meta.get("base_checkpoint") else d
     model = load_model(base)
     if lora:
         model = add_lora(model, **meta["lora"])
