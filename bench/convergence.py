@@ -6,9 +6,10 @@ differs only in how the gradient is computed. At every step, on the batch that r
 detached gradient are both computed (one exact call: its replay part, read just before the prompt backward, IS
 the detached gradient of the same batch), and compared: cosine, relative L2, and which parameters lose it.
 
-    .venv/bin/python bench/convergence.py --quick              # <= 5 min: same plots, fewer steps / seeds
-    .venv/bin/python bench/convergence.py --full               # <= 60 min on the 2-core box, warm starts included
+    .venv/bin/python bench/convergence.py --quick     # same plots, fewer steps / seeds: 3.7 min from a cold cache
+    .venv/bin/python bench/convergence.py --full      # 28 min on the 2-core box from a cold cache (limit: 60)
     .venv/bin/python bench/convergence.py --full --out bench/results/convergence --mlflow sqlite:///bench/out/mlflow.db
+    .venv/bin/python bench/convergence.py --full --replot ...   # table and PNGs again from the stored runs
 
 One process, no Prefect: the library's pieces driven directly (capture, rollout, rewards, group advantages,
 grpo_backward, the pipeline's optimizer_step). Warm starts (`longstraw sft`, as `make run` does) are cached under
@@ -427,6 +428,9 @@ def plan_json(plan: Plan) -> dict:
     return d
 
 
+MIN_TOKENS = {"kv-retrieval": 190, "multi-hop": 448}  # the tasks' shortest prompts (1 pair; 1 distractor chain)
+
+
 def pool_of(task: str, tokens: int, seed: int, n: int, tok: Tokenizer) -> list[Example]:
     """A run's training prompts: its own for each seed, disjoint from the warm start's and the held-out ones."""
     return [make_problem(task, 20_000_000 + 1_000 * seed + k, tokens, tok) for k in range(n)]
@@ -700,14 +704,16 @@ def plot_cos_steps(runs: list[dict], out: Path) -> Path:
 
 
 def plot_cos_pr(runs: list[dict], sweeps: list[dict], out: Path) -> Path:
-    """Cosine and relative L2 against P/R: the sweep at the warm-started weights (lines) and the training runs'
-    batches (markers: mean over steps, seeds and modes)."""
+    """Cosine and relative L2 against P/R: the sweep (lines; each point the mean over its prompts at one P) and the
+    training runs' batches (squares: mean over steps, seeds and modes)."""
     plt = _plt()
     fig, (ax_cos, ax_l2) = plt.subplots(1, 2, figsize=(9, 3.4))
     keys = sorted({(s["model"], s["task"]) for s in sweeps} | {(r["model"], r["task"]) for r in runs})
     for i, (model, task) in enumerate(keys):
         color = f"C{i}"
-        pts = sorted((s["p_over_r"], s["cos"], s["rel_l2"]) for s in sweeps if (s["model"], s["task"]) == (model, task))
+        mine = [s for s in sweeps if (s["model"], s["task"]) == (model, task)]
+        pts = sorted(tuple(statistics.fmean(s[k] for s in mine if s["prompt_tokens"] == p)
+                           for k in ("p_over_r", "cos", "rel_l2")) for p in {s["prompt_tokens"] for s in mine})
         if pts:
             style = "o--" if model.endswith("init") else "o-"  # random initialisation, random advantages
             ax_cos.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, ms=3, label=f"{model} {task}")
@@ -718,8 +724,12 @@ def plot_cos_pr(runs: list[dict], sweeps: list[dict], out: Path) -> Path:
                 pr = statistics.fmean(h["p_over_r"] for h in hs)
                 ax_cos.plot(pr, statistics.fmean(h["cos"] for h in hs), "s", color=color, ms=8, mfc="none")
                 ax_l2.plot(pr, statistics.fmean(h["rel_l2"] for h in hs), "s", color=color, ms=8, mfc="none")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     for ax, label in ((ax_cos, "cos(detached, exact)"), (ax_l2, "|exact - detached| / |exact|")):
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("P / R (prompt tokens / mean response tokens)", fontsize=8)
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3, which="both")
@@ -773,6 +783,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         gap = "" if r["mode"] == "exact" else _pm(r["gap_to_exact"])
+        if r.get("same_as_exact") and all(r["same_as_exact"]):  # naive: steps identical to exact's
+            gap = "same " + ",".join(f"{x['identical_steps']}/{x['of']}" for x in r["same_as_exact"])
         lines.append(f"{r['model']:8} {r['task']:12} {r['prompt_len']:5.0f} {r['p_over_r']:4.0f} {r['mode']:8} "
                      f"{r['seeds']:2d} {r['reward_start']:8.3f} {_pm(r['reward_final']):>12} {gap:>13} "
                      f"{_pm(r['held_out_final']):>12} {_reach(r):>13} {_pm(r['cos'], 2):>11} "
@@ -805,7 +817,10 @@ def log_mlflow(uri: str, result: dict, files: list[Path]) -> str:
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("longstraw-convergence")
-    exp_id = exp.experiment_id if exp else client.create_experiment("longstraw-convergence")
+    # artefacts beside a sqlite store (as the pipeline keeps them), not in ./mlruns of whatever the cwd is
+    where = (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri() \
+        if uri.startswith("sqlite:///") else None
+    exp_id = exp.experiment_id if exp else client.create_experiment("longstraw-convergence", artifact_location=where)
     parent = client.create_run(exp_id, run_name=f"convergence-{result['meta']['variant']}").info.run_id
     now = int(time.time() * 1000)
 
@@ -850,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="<= 5 min: fewer steps, seeds, cells (the default)")
+    size.add_argument("--quick", action="store_true", help="<= 5 min: the same cells at fewer steps, seeds and prompts (the default)")
     size.add_argument("--full", action="store_true", help="<= 60 min on the 2-core box, warm starts included")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "convergence",
                     help="where convergence_summary.json and the PNGs go")
@@ -860,30 +875,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="override the plan's GRPO steps per run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="measure nothing: summary, table, PNGs (and MLflow) again "
+                    "from <cache>/convergence-<variant>.json")
     args = ap.parse_args(argv)
 
     variant = "full" if args.full else "quick"
     plan = PLANS[variant]
     if args.steps:
         plan = Plan(**{**plan.__dict__, "steps": args.steps})
-    torch.set_num_threads(args.threads)
-    progress = not args.no_progress
     args.out.mkdir(parents=True, exist_ok=True)
     args.cache.mkdir(parents=True, exist_ok=True)
+    # every step of every run (large) beside the warm starts; the summary (small) beside the plots
+    json_path = args.cache / f"convergence-{variant}.json"
+    if args.replot:
+        result = json.loads(json_path.read_text())
+    else:
+        torch.set_num_threads(args.threads)
+        result = measure(variant, plan, args.cache, json_path, args.threads, not args.no_progress)
+    report(result, json_path, args.out, args.mlflow)
+    return 0
+
+
+def measure(variant: str, plan: Plan, cache: Path, json_path: Path, threads: int, progress: bool) -> dict:
+    """Warm starts (cached), the P/R sweep, then every cell's runs; `json_path` is rewritten after each cell."""
     tok = load_tokenizer("byte")
     t_start = time.perf_counter()
     meta = {"variant": variant, "plan": plan_json(plan), "torch": torch.__version__,
-            "machine": platform.machine(), "python": platform.python_version(), "threads": args.threads,
+            "machine": platform.machine(), "python": platform.python_version(), "threads": threads,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    result: dict = {"meta": meta, "warm": {}, "sweeps": [], "runs": [], "summary": [], "parameters": {}}
-    # every step of every run (large) beside the warm starts; the summary (small) beside the plots
-    json_path = args.cache / f"convergence-{variant}.json"
-    summary_path = args.out / "convergence_summary.json"
-
+    result: dict = {"meta": meta, "warm": {}, "sweeps": [], "runs": []}
     warm: dict[tuple[str, str], Path] = {}
     for (model, task), sft in plan.warm.items():
         t0 = time.perf_counter()
-        warm[model, task], record = warm_start(model, task, sft, args.cache, progress)
+        warm[model, task], record = warm_start(model, task, sft, cache, progress)
         result["warm"][f"{model} {task}"] = {**record, "sft": sft, "seconds_here": time.perf_counter() - t0}
         print(f"warm start {model} {task}: {record['steps']} sft steps, greedy reward {record['reward_before']:.3f} -> "
               f"{record['reward_after']:.3f} ({record['seconds']:.0f} s; {time.perf_counter() - t0:.0f} s here)",
@@ -896,22 +920,27 @@ def main(argv: list[str] | None = None) -> int:
     meta["sweep_seconds"] = time.perf_counter() - t0
     for cell in tqdm(plan.cells, desc="cells", disable=not progress):
         result["runs"] += run_cell(cell, warm[cell.model, cell.task], plan, tok, progress)
-        result["summary"] = summarize(result["runs"])
         write_json(json_path, result)  # after every cell: a killed study keeps what it measured
-    result["parameters"] = parameter_loss(result["runs"], result["sweeps"])
     meta["seconds"] = time.perf_counter() - t_start
     write_json(json_path, result)
+    return result
+
+
+def report(result: dict, json_path: Path, out: Path, mlflow_uri: str | None) -> None:
+    """Summary, table, PNGs and (with a URI) MLflow, from the measured runs (also `--replot`, from the JSON)."""
+    result["summary"] = summarize(result["runs"])
+    result["parameters"] = parameter_loss(result["runs"], result["sweeps"])
+    summary_path = out / "convergence_summary.json"
     write_json(summary_path, {k: v for k, v in result.items() if k != "runs"})
-    pngs = [plot_curves(result["runs"], args.out, "reward"), plot_curves(result["runs"], args.out, "held_out"),
-            plot_cos_steps(result["runs"], args.out), plot_cos_pr(result["runs"], result["sweeps"], args.out),
-            plot_parameters(result["parameters"], args.out)]
+    pngs = [plot_curves(result["runs"], out, "reward"), plot_curves(result["runs"], out, "held_out"),
+            plot_cos_steps(result["runs"], out), plot_cos_pr(result["runs"], result["sweeps"], out),
+            plot_parameters(result["parameters"], out)]
     print(table(result["summary"]))
     print(parameters_table(result["parameters"]))
-    print(f"{variant}: {meta['seconds']:.0f} s in all; every step in {json_path}; {summary_path.name} and "
-          f"{len(pngs)} PNGs in {args.out}")
-    if args.mlflow:
-        print(f"MLflow run {log_mlflow(args.mlflow, result, [json_path, summary_path, *pngs])} at {args.mlflow}")
-    return 0
+    print(f"{result['meta']['variant']}: {result['meta']['seconds']:.0f} s measured; every step in {json_path}; "
+          f"{summary_path.name} and {len(pngs)} PNGs in {out}")
+    if mlflow_uri:
+        print(f"MLflow run {log_mlflow(mlflow_uri, result, [json_path, summary_path, *pngs])} at {mlflow_uri}")
 
 
 def parameters_table(loss: dict) -> str:
