@@ -5,9 +5,9 @@ layers in `common/`; `registry.py` is the table of families; `checkpoint.py` rea
 directories; `protocol.py` states what the engine needs of a model.
 """
 
-from .checkpoint import load_model, read_config, write_weights
+from .checkpoint import load_model, meta_model, read_config, write_weights
 from .protocol import PrefixLM
 from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, build_model, config_from_hf
 
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "PrefixLM", "build_model", "config_from_hf", "load_model",
-           "read_config", "write_weights"]
+           "meta_model", "read_config", "write_weights"]

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .registry import build
+from .registry import build, cast
 
 log = logging.getLogger("longstraw")
 
@@ -92,6 +92,14 @@ def _fuse_experts(per_expert: dict[str, dict[int, dict[str, torch.Tensor]]]) -> 
         fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
         fused[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
     return fused
+
+
+def meta_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of an HF checkpoint directory on the meta device, in `dtype` (the family's fp32 tensors kept in
+    fp32): its structure from config.json alone, no weights read and no memory taken."""
+    with torch.device("meta"):
+        model = build(read_config(path))
+    return cast(model, dtype)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
@@ -104,3 +106,28 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceParallel | None 
             module.set_gradient_divide_factor(float(replicas))
             module.set_force_sum_reduction_for_comms(gloo)
     return model
+
+
+def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage: int,
+                     parallel: SequenceParallel | None, device: torch.device) -> nn.Module:
+    """A ZeRO-2/3 model whose weights only rank 0 has read. Every rank passes `skeleton`, the same model on the
+    meta device; rank 0 passes `full`, the whole state dict (None elsewhere). The skeleton is sharded, given
+    storage for its shards on `device`, and each rank's shards are filled from rank 0's tensors, broadcast one at a
+    time. A collective: every rank calls it, after agreeing that rank 0's read succeeded.
+
+    Why: at 27B on 8 ranks, every rank loading the whole HF export onto its GPU before sharding would put 54 GB
+    on each GPU and read the files 8 times. Here only rank 0 reads them, and every other rank holds its 1/N
+    (6.75 GB) plus one whole tensor in flight, the largest being the embedding (2.5 GB for Qwen3.5-27B). Over
+    gloo on one CPU box the broadcast is slower than 8 reads from the page cache (bench/sharded_load.py)."""
+    if any(not p.is_meta for p in skeleton.parameters()):
+        raise ValueError("shard_from_rank0 takes the model built on the meta device (longstraw.models.meta_model)")
+    if getattr(getattr(skeleton, "config", None), "tie_word_embeddings", False):
+        raise ValueError("tied word embeddings: materialising the skeleton would untie them; load the whole model "
+                         "on every rank and use shard_model")
+    if (full is not None) != (dist.get_rank() == 0):
+        raise ValueError("rank 0, and only rank 0, passes the full state dict")
+    shard_model(skeleton, stage, parallel, init_device_mesh(device.type, (dist.get_world_size(),)))
+    skeleton.to_empty(device=device)
+    set_model_state_dict(skeleton, full or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    return skeleton

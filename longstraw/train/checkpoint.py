@@ -22,7 +22,9 @@ A checkpoint directory (`update-NNNNNN/`):
 Why sharded: at 27B parameters on 8 ranks the fp32 moments are ~216 GB. Each rank writes the 1/8 it holds (27 GB)
 in parallel, and no rank ever holds or writes the whole optimizer state; rank 0 writes the 54 GB bf16 export
 (under FSDP gathered to its CPU first, the one full copy of the weights a save makes). DCP reshards on load, so a
-checkpoint loads on any number of ranks under any ZeRO stage (2 ranks ZeRO-3 -> 1 process, and back).
+checkpoint loads on any number of ranks under any ZeRO stage (2 ranks ZeRO-3 -> 1 process, and back). Under
+ZeRO-2/3 the training worker reads the export on rank 0 alone and broadcasts each rank its shards (a `Loader`),
+instead of 8 ranks each reading and holding the 54 GB.
 
 All-or-nothing: rank 0 picks a temporary directory (`files.atomic_output`) that every rank writes into; it is
 renamed into place only after every rank has hashed what it wrote and rank 0 has written trainer.json listing
@@ -70,6 +72,12 @@ OPTIMIZER = "trainer/optimizer"  # DCP's shard files, one per rank that held any
 RNG = "trainer/rng.safetensors"
 WEIGHTS = ("config.json", "model.safetensors")
 ADAPTER = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)  # PEFT's files, with LoRA
+
+
+# How a checkpoint's model is made: loader(read, weights_dir, lora) -> model, where read() loads the whole model
+# (base weights and adapter), weights_dir holds config.json and the base weights, and lora is the adapter spec (or
+# None). A sharded run calls read() on rank 0 only and builds the rest from weights_dir on the meta device.
+Loader = Callable[[Callable[[], nn.Module], Path, "dict | None"], nn.Module]
 
 
 # ---- the ranks ------------------------------------------------------------------------------------------------------
@@ -362,23 +370,30 @@ def load_checkpoint(
     directory: str | Path, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
     dtype: torch.dtype = torch.float32, restore_rng: bool = True, *,
     prepare: Callable[[nn.Module], object] | None = None, device: str | torch.device = "cpu",
+    loader: Loader | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     """(model, optimizer with its state, trainer.json) of a verified checkpoint; optionally restores the RNGs
     (rank 0's at save, on every rank).
 
-    A collective when torch.distributed is initialised. Every rank reads the HF export; `prepare(model)` (e.g.
-    `shard_model` for ZeRO-2/3) runs before `optimizer_factory(model)`; then each rank reads exactly the optimizer
-    state its optimizer holds, from whichever shard files hold it (DCP reshards: any world size, any stage)."""
+    A collective when torch.distributed is initialised. By default every rank reads the HF export; a `loader`
+    decides instead who reads (see `Loader`). `prepare(model)` (e.g. `shard_model` for ZeRO-2/3) runs before
+    `optimizer_factory(model)`; then each rank reads exactly the optimizer state its optimizer holds, from
+    whichever shard files hold it (DCP reshards: any world size, any stage)."""
     d = Path(directory)
     meta = read_trainer(d)
-    if "lora" in meta:  # the frozen base weights (here, or in the checkpoint named), then the adapter
-        base = d / meta["base_checkpoint"] if meta["base_checkpoint"] else d
-        if base != d:
-            read_trainer(base)
-        model = add_lora(load_model(base, dtype=dtype, device=device), **meta["lora"])
+    lora = meta.get("lora")
+    weights = d / meta["base_checkpoint"] if lora and meta["base_checkpoint"] else d
+    if weights != d:  # LoRA: the frozen base weights are in the checkpoint named (verified by every rank together)
+        read_trainer(weights)
+
+    def read() -> nn.Module:  # the base weights, then the adapter
+        if lora is None:
+            return load_model(d, dtype=dtype, device=device)
+        model = add_lora(load_model(weights, dtype=dtype, device=device), **lora)
         load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
-    else:
-        model = load_model(d, dtype=dtype, device=device)
+        return model
+
+    model = read() if loader is None else loader(read, weights, lora)
     if prepare is not None:
         prepare(model)
     optimizer = optimizer_factory(model)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,8 +42,8 @@ from ..files import remove_stale_temporaries
 from ..grpo import token_weights
 from ..lora import add_lora
 from ..memory import PeakMeter, free_bytes
-from ..models import build_model, load_model
-from ..parallel import balanced_ranges, is_sharded, shard_model
+from ..models import build_model, load_model, meta_model
+from ..parallel import balanced_ranges, is_sharded, shard_from_rank0, shard_model
 from ..rollout import rollout
 from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
 from ..state import PrefixState
@@ -58,6 +60,17 @@ from .stages import example_record, load_rollout, make_prompt
 def next_version(version: str, update: int) -> str:
     """The lineage id of the weights after `update` (1-based) applied to those named `version`."""
     return hashlib.sha256(f"{version}|update {update}".encode()).hexdigest()
+
+
+def _leader_reads(read: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
+    """Rank 0's read of the whole model for the others to shard; any failure becomes an error every rank agrees
+    on (they wait for this read, so rank 0 must not fail alone)."""
+    try:
+        return read().state_dict()
+    except (ValueError, OSError, KeyError):
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by agree()
+        raise ValueError(f"rank 0 could not read the weights: {type(e).__name__}: {e}") from e
 
 
 class Worker:
@@ -104,9 +117,28 @@ class Worker:
     def _barrier_gather(self, value) -> list:
         return [value] if self.ranks is None else self.ranks.gather(value)
 
-    def _prepare(self, model: nn.Module) -> nn.Module:
-        if self.cfg.optim.zero_stage >= 2:
-            shard_model(model, self.cfg.optim.zero_stage, self.parallel)
+    def _resident(self, read: Callable[[], nn.Module], weights: Path | None, lora: dict | None,
+                  stage: int | None = None) -> nn.Module:
+        """The model to keep resident, from `read()` (the whole model) and `weights` (the directory holding its
+        config.json; None for a random model). Sharded (ZeRO-2/3 on several ranks): only rank 0 reads the weights,
+        and every rank builds the model on the meta device and takes its shards by broadcast (`shard_from_rank0`:
+        1/N of the weights per rank plus one tensor in flight, one read of the files). Otherwise every rank reads
+        them, and ZeRO-2/3 then shards them."""
+        stage = self.cfg.optim.zero_stage if stage is None else stage
+        skeleton = None
+        if stage >= 2 and self.ranks is not None and weights is not None:
+            skeleton = self._agree(lambda: meta_model(weights, torch_dtype(self.cfg.dtype)))
+            if skeleton.config.tie_word_embeddings:  # the meta path would untie them
+                skeleton = None
+        if skeleton is None:
+            model = read()
+            return (shard_model(model, stage, self.parallel) if stage >= 2 else model).eval()
+        if lora is not None:
+            add_lora(skeleton, **lora)
+        full = self._agree(lambda: _leader_reads(read) if self._leader else None)
+        model = shard_from_rank0(skeleton, full, stage, self.parallel, self.device)
+        # rank 0's read drew the adapters' initial values from the RNG; the ranks go on from the same RNG state
+        torch.set_rng_state(torch.tensor(self.ranks.broadcast(torch.get_rng_state().tolist()), dtype=torch.uint8))
         return model.eval()
 
     def _check_weights(self, weights: str) -> None:
@@ -126,18 +158,22 @@ class Worker:
         factory = lambda m: build_optimizer(m, cfg.optim)  # noqa: E731
         if latest is None:
             torch.manual_seed(cfg.seed)
-            model = (load_model(cfg.model.path, dtype=dtype, device=self.device) if cfg.model.path
-                     else build_model(cfg.model.random, dtype, self.device))
+            lora = None if cfg.lora is None else cfg.lora.model_dump()
+
+            def read() -> nn.Module:
+                model = (load_model(cfg.model.path, dtype=dtype, device=self.device) if cfg.model.path
+                         else build_model(cfg.model.random, dtype, self.device))
+                # adapters initialised from the run's seed too (B = 0: the base model's outputs)
+                return model if lora is None else add_lora(model, **lora)
+
+            self.model = self._resident(read, Path(cfg.model.path) if cfg.model.path else None, lora)
             tok = load_tokenizer(cfg.tokenizer)
-            check_vocab([tok.vocab_size - 1], model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
-            if cfg.lora is not None:  # adapters initialised from the run's seed too (B = 0: the base model's outputs)
-                add_lora(model, **cfg.lora.model_dump())
-            self.model = self._prepare(model)
+            check_vocab([tok.vocab_size - 1], self.model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
             self.optim = factory(self.model)
             latest = save_checkpoint(paths.checkpoint(0), self.model, self.optim, update=0, step=0, extra={})
             meta = read_trainer(latest)  # verified as written
         else:
-            self.model, self.optim, meta = load_checkpoint(latest, factory, dtype, prepare=self._prepare,
+            self.model, self.optim, meta = load_checkpoint(latest, factory, dtype, loader=self._resident,
                                                            device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
@@ -328,9 +364,10 @@ class Worker:
             if meta["weights_version"] != ref_weights:
                 raise ValueError(f"{path} holds weights {meta['weights_version'][:12]}, not the reference "
                                  f"{ref_weights[:12]} the stage asks for")
-            model = load_model(path, dtype=torch_dtype(self.cfg.dtype), device=self.device)
-            self._reference = (shard_model(model, 3, self.parallel) if self.cfg.optim.zero_stage >= 2 else model)
-            self._reference.requires_grad_(False).eval()
+            read = lambda: load_model(path, dtype=torch_dtype(self.cfg.dtype), device=self.device)  # noqa: E731
+            # the base weights (no adapters: the reference of a LoRA run is its base model)
+            self._reference = self._resident(read, path, None, stage=3 if self.cfg.optim.zero_stage >= 2 else 0)
+            self._reference.requires_grad_(False)
             self.model_loads += 1
         return self._reference
 

@@ -80,16 +80,29 @@ def test_two_ranks_fault_in_one_rank_then_resume(tmp_path):
     assert diff <= 1e-6, diff
 
 
+def _fail_then_resume(tmp_path: Path, config_path: Path, run_dir: Path) -> None:
+    """A ZeRO-3 run on 2 ranks that fails in rank 1's replay of step 1, then `longstraw resume`: the resumed
+    worker start reads the checkpoint's weights on rank 0 only (rank 1 builds the model on the meta device and
+    takes its shards by broadcast)."""
+    counts = tmp_path / f"counts-{run_dir.name}"
+    counts.mkdir()
+    failed = _cli(["train", "--config", str(config_path)], tmp_path, LONGSTRAW_TEST_FAULT="replay:1:1")
+    assert failed.returncode != 0 and "injected replay fault on rank 1" in failed.stdout + failed.stderr
+    resumed = _cli(["resume", str(run_dir)], tmp_path, LONGSTRAW_TEST_COUNTS=str(counts))
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert _counts(counts) == {"rank0": ["start", "load"], "rank1": ["start"]}, _counts(counts)
+
+
 def test_two_data_parallel_groups_under_zero3_match_one_rank(tmp_path):
     """nproc 2, sp 1: two data-parallel groups, each holding the whole prefix state and replaying half of the
     branches, parameters and moments sharded by FSDP (ZeRO-3); the sharded checkpoint's HF export equals a 1-rank
-    run's weights within 1e-6, and each rank wrote its own share of the AdamW state."""
+    run's weights within 1e-6, and each rank wrote its own share of the AdamW state. The run fails once and is
+    resumed, with the weights read by rank 0 alone."""
     cfg = config(tmp_path / "dp", dtype="float64", threads=1, pipeline={"nproc": 2, "sp": 1, "retries": 0},
                  optim={"lr": 1e-2, "zero_stage": 3})
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    done = _cli(["train", "--config", str(path)], tmp_path)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _fail_then_resume(tmp_path, path, tmp_path / "dp")
     one = _cli(["train", "--config", str(_yaml(tmp_path, "one"))], tmp_path)
     assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
     got, single = _final(tmp_path, "dp"), _final(tmp_path, "one")
@@ -119,17 +132,23 @@ def test_nproc_on_the_command_line_applies_before_validation(tmp_path):
 
 
 def test_lora_under_zero3_on_two_ranks_matches_one_rank(tmp_path):
-    """LoRA with the frozen base weights sharded by FSDP (ZeRO-3) on 2 ranks: the adapter after 2 steps is within
-    1e-6 of a 1-rank LoRA run's, and the base weights are written once, at update 0."""
+    """LoRA with a KL term and the frozen base weights sharded by FSDP (ZeRO-3) on 2 ranks, failed once and resumed:
+    the adapter after 2 steps is within 1e-6 of a 1-rank LoRA run's, and the base weights are written once, at
+    update 0."""
     lora = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
     runs = {}
     for name, extra in (("z3", dict(pipeline={"nproc": 2, "retries": 0}, optim={"lr": 1e-2, "zero_stage": 3})),
                         ("single", {})):
-        cfg = config(tmp_path / name, dtype="float64", threads=1, lora=lora, **extra)
+        # with a KL term: the reference (update 0's base weights) is loaded the sharded way too under ZeRO-3
+        cfg = config(tmp_path / name, dtype="float64", threads=1, lora=lora,
+                     grpo={"prompt_chunk": 128, "kl_coef": 0.05}, **extra)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        done = _cli(["train", "--config", str(path)], tmp_path)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        if name == "z3":  # resumed: rank 0 alone reads the base weights and the adapter
+            _fail_then_resume(tmp_path, path, tmp_path / name)
+        else:
+            done = _cli(["train", "--config", str(path)], tmp_path)
+            assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         final = tmp_path / name / "checkpoints" / "update-000002"
         assert not (final / "model.safetensors").exists()
         runs[name] = load_file(str(final / "adapter_model.safetensors"))
