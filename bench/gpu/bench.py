@@ -36,17 +36,13 @@ H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H200 (SXM), the MFU denominat
 
 def model_config(dry: bool, max_pos: int) -> dict:
     """Qwen3.5-4B-shaped (3 Gated DeltaNet layers per gated full-attention layer, head_dim 256), or a tiny one."""
-    if dry:
-        return {"model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-                "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "max_position_embeddings": max_pos,
-                "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
-    return {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216,
-            "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": max_pos,
+    sizes = (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16) if dry else
+             dict(vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128))
+    return {"model_type": "qwen3_5_text", **sizes, "linear_conv_kernel_dim": 4, "max_position_embeddings": max_pos,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
 
