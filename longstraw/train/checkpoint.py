@@ -76,7 +76,8 @@ ADAPTER = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)  # PEFT's files, with LoRA
 
 # How a checkpoint's model is made: loader(read, weights_dir, lora) -> model, where read() loads the whole model
 # (base weights and adapter), weights_dir holds config.json and the base weights, and lora is the adapter spec (or
-# None). A sharded run calls read() on rank 0 only and builds the rest from weights_dir on the meta device.
+# None). The loader shards the model for ZeRO-2/3; a sharded run calls read() on rank 0 only and builds the rest
+# from weights_dir on the meta device.
 Loader = Callable[[Callable[[], nn.Module], Path, "dict | None"], nn.Module]
 
 
@@ -369,14 +370,13 @@ def read_trainer(directory: str | Path) -> dict:
 def load_checkpoint(
     directory: str | Path, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
     dtype: torch.dtype = torch.float32, restore_rng: bool = True, *,
-    prepare: Callable[[nn.Module], object] | None = None, device: str | torch.device = "cpu",
-    loader: Loader | None = None,
+    device: str | torch.device = "cpu", loader: Loader | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     """(model, optimizer with its state, trainer.json) of a verified checkpoint; optionally restores the RNGs
     (rank 0's at save, on every rank).
 
     A collective when torch.distributed is initialised. By default every rank reads the HF export; a `loader`
-    decides instead who reads (see `Loader`). `prepare(model)` (e.g. `shard_model` for ZeRO-2/3) runs before
+    decides instead who reads, and shards the model for ZeRO-2/3 (see `Loader`), before
     `optimizer_factory(model)`; then each rank reads exactly the optimizer state its optimizer holds, from
     whichever shard files hold it (DCP reshards: any world size, any stage)."""
     d = Path(directory)
@@ -386,16 +386,14 @@ def load_checkpoint(
     if weights != d:  # LoRA: the frozen base weights are in the checkpoint named (verified by every rank together)
         read_trainer(weights)
 
-    def read() -> nn.Module:  # the base weights, then the adapter
-        if lora is None:
-            return load_model(d, dtype=dtype, device=device)
-        model = add_lora(load_model(weights, dtype=dtype, device=device), **lora)
-        load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
+    def read() -> nn.Module:  # the (base) weights, then the adapter
+        model = load_model(weights, dtype=dtype, device=device)
+        if lora is not None:
+            add_lora(model, **lora)
+            load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
         return model
 
     model = read() if loader is None else loader(read, weights, lora)
-    if prepare is not None:
-        prepare(model)
     optimizer = optimizer_factory(model)
     _load_optimizer(d, model, optimizer, meta)
     if restore_rng:

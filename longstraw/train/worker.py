@@ -136,10 +136,7 @@ class Worker:
         if lora is not None:
             add_lora(skeleton, **lora)
         full = self._agree(lambda: _leader_reads(read) if self._leader else None)
-        model = shard_from_rank0(skeleton, full, stage, self.parallel, self.device)
-        # rank 0's read drew the adapters' initial values from the RNG; the ranks go on from the same RNG state
-        torch.set_rng_state(torch.tensor(self.ranks.broadcast(torch.get_rng_state().tolist()), dtype=torch.uint8))
-        return model.eval()
+        return shard_from_rank0(skeleton, full, stage, self.parallel, self.device).eval()
 
     def _check_weights(self, weights: str) -> None:
         if weights != self.weights_version:
@@ -167,6 +164,11 @@ class Worker:
                 return model if lora is None else add_lora(model, **lora)
 
             self.model = self._resident(read, Path(cfg.model.path) if cfg.model.path else None, lora)
+            if lora is not None and self.ranks is not None:
+                # the adapters' initial values were drawn from the RNG, maybe by rank 0 alone (the sharded load):
+                # every rank goes on from rank 0's RNG state
+                torch.set_rng_state(torch.tensor(self.ranks.broadcast(torch.get_rng_state().tolist()),
+                                                 dtype=torch.uint8))
             tok = load_tokenizer(cfg.tokenizer)
             check_vocab([tok.vocab_size - 1], self.model.config.vocab_size, f"tokenizer {cfg.tokenizer!r}")
             self.optim = factory(self.model)

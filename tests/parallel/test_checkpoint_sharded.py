@@ -90,8 +90,8 @@ def roundtrip_rank(rank: int, world: int, stage: int, root: str) -> dict[str, to
     if stage == 3:
         out |= {f"full.{k}": full_tensor(v).clone() for k, v in _held(m, opt).items()}
     _check_own_file(rank, world, stage, d, m, opt)
-    prepare = (lambda model: shard_model(model, 3, SequenceParallel())) if stage == 3 else None
-    m2, opt2, meta = ck.load_checkpoint(d, lambda model: build_optimizer(model, cfg), prepare=prepare)
+    loader = (lambda read, *_: shard_model(read(), 3, SequenceParallel())) if stage == 3 else None
+    m2, opt2, meta = ck.load_checkpoint(d, lambda model: build_optimizer(model, cfg), loader=loader)
     assert meta["update"] == 2 and meta["world_size"] == world
     out |= _weights(m2, "loaded") | _state(m2, opt2, "loaded")
     for model, o, tag in ((m, opt, "cont"), (m2, opt2, "resumed")):
@@ -176,12 +176,12 @@ def test_a_two_rank_zero3_checkpoint_loads_in_one_process_and_in_transformers(ru
 def load_rank(rank: int, world: int, clean: str, corrupt: str, saves: str) -> dict[str, torch.Tensor]:
     """Load a one-process checkpoint under ZeRO-3 (its moments, gathered); then a corrupted one, and a save whose
     optimizer write fails on rank 1 (the error each rank raised)."""
-    prepare = lambda model: shard_model(model, 3, SequenceParallel())  # noqa: E731
+    loader = lambda read, *_: shard_model(read(), 3, SequenceParallel())  # noqa: E731
     factory = lambda model: build_optimizer(model, OptimConfig(**OPTIM, zero_stage=3))  # noqa: E731
-    m, opt, _ = ck.load_checkpoint(clean, factory, prepare=prepare)
+    m, opt, _ = ck.load_checkpoint(clean, factory, loader=loader)
     out = {f"full.{k}": full_tensor(v) for k, v in _held(m, opt).items()}
     try:
-        ck.load_checkpoint(corrupt, factory, prepare=prepare)
+        ck.load_checkpoint(corrupt, factory, loader=loader)
     except ValueError as e:
         out["load_error"] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
     if rank == 1:
