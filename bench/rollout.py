@@ -2,9 +2,12 @@
 
 Each n runs in its own subprocess: capture the prompt, then time `rollout` (fixed length: no stop ids) and read
 the extra peak RSS. Memory should grow with n only by the branches' own tokens, never by n copies of the prefix.
+With `--compile`, each n also runs with the decode step under torch.compile (inductor). Every run is made twice
+and the second is timed: the first pays the compilation (column `first s`).
 
     .venv/bin/python bench/rollout.py                    # tiny dense model, 16K-token prompt, n in {1, 8}
     .venv/bin/python bench/rollout.py --arch qwen3_5 --n 1 4 8 16
+    .venv/bin/python bench/rollout.py --compile --P 1024  # eager against compiled decoding
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ def worker(p: dict) -> dict:
     model, cfg = tiny_model(p["arch"], p["P"] + p["tokens"] + 8, p["threads"])
     prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
     state = ls.capture(model, prompt)
+    kw = dict(n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0, compile=p["compile"])
+    with PeakMeter() as first:
+        ls.rollout(model, state, **kw)
     with PeakMeter() as m:
-        samples = ls.rollout(model, state, n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0)
+        samples = ls.rollout(model, state, **kw)
     generated = sum(len(s.tokens) for s in samples)
-    return {**p, "seconds": m.seconds, "tokens_per_s": generated / m.seconds, "peak_bytes": m.peak_bytes,
-            "state_bytes": state.nbytes}
+    return {**p, "seconds": m.seconds, "first_seconds": first.seconds, "tokens_per_s": generated / m.seconds,
+            "peak_bytes": m.peak_bytes, "state_bytes": state.nbytes}
 
 
 def main() -> None:
@@ -43,23 +49,34 @@ def main() -> None:
     ap.add_argument("--P", type=int, default=16384, help="prompt tokens")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8], help="branches")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per branch")
+    ap.add_argument("--compile", action="store_true", help="also run each n with the decode step compiled")
     args = parse_or_work(ap, "bench/out/rollout.json", worker)
     if args is None:
         return
     rows = []
     print(f"rollout bench: arch={args.arch} P={args.P} new tokens={args.tokens} threads={args.threads}")
-    print(f"{'n':>4} {'seconds':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} {'n x state MiB':>14}")
+    print(f"{'n':>4} {'compile':>8} {'seconds':>8} {'first s':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} "
+          f"{'n x state MiB':>14}")
     for n in args.n:
-        params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads}
-        r = run_worker(__file__, params)
-        if "error" in r:
-            print(f"worker {params} failed: {r['error']}", flush=True)
-            continue
-        rows.append(r)
-        print(f"{n:>4} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} "
-              f"{r['state_bytes'] / MIB:>10.1f} {n * r['state_bytes'] / MIB:>14.1f}", flush=True)
-    if len(rows) >= 2:
-        print(f"throughput n={rows[-1]['n']} / n={rows[0]['n']}: {rows[-1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+        for compile in [False, "inductor"] if args.compile else [False]:
+            params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads,
+                      "compile": compile}
+            r = run_worker(__file__, params)
+            if "error" in r:
+                print(f"worker {params} failed: {r['error']}", flush=True)
+                continue
+            rows.append(r)
+            print(f"{n:>4} {compile or 'off':>8} {r['seconds']:>8.2f} {r['first_seconds']:>8.2f} "
+                  f"{r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} {r['state_bytes'] / MIB:>10.1f} "
+                  f"{n * r['state_bytes'] / MIB:>14.1f}", flush=True)
+    eager = [r for r in rows if not r["compile"]]
+    if len(eager) >= 2:
+        print(f"throughput n={eager[-1]['n']} / n={eager[0]['n']}: "
+              f"{eager[-1]['tokens_per_s'] / eager[0]['tokens_per_s']:.2f}x")
+    for r in rows:
+        base = next((e for e in eager if e["n"] == r["n"]), None)
+        if r["compile"] and base is not None:
+            print(f"compiled / eager at n={r['n']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .engine.checks import check_state
 from .models.protocol import PrefixLM
@@ -31,6 +32,19 @@ def sample_no_sync(probs: torch.Tensor, generators: Sequence[torch.Generator]) -
     for row, g in zip(race, generators):
         row.exponential_(generator=g)
     return (probs / race).argmax(-1)
+
+
+def compiled_decoder(model: PrefixLM, backend: str = "inductor") -> nn.Module:
+    """`model`'s forward under torch.compile, for decode steps. The graphs are cached by torch (on the forward's
+    code, under guards), so a new wrapper per rollout compiles nothing the last one did.
+
+    Sizes are symbolic from the first call (`dynamic=True`) because every step grows the branches' own tokens by one
+    and moves the position; a decode of any length compiles at most three graphs (tested). Not CUDA graphs
+    ("reduce-overhead"): they need static shapes, and would record one graph per own-token length; that takes a
+    decode over a fixed-size own-token buffer behind a mask. The collectives of a sequence-parallel group break the
+    graph there, which costs speed, not correctness.
+    """
+    return torch.compile(model, dynamic=True, backend=backend)
 
 
 def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -62,21 +76,30 @@ def rollout(
     seed: int | None = None,
     parallel: SequenceParallel | None = None,
     stop_check_every: int = 8,
+    compile: bool | str = False,
+    first_branch: int = 0,
 ) -> list[Sample]:
     """Generate `n` responses to the captured prompt.
 
     All branches decode in one batch: attention layers read the one shared prefix state plus each branch's own
     tokens (merged by log-sum-exp; the prefix is never copied per branch); recurrent layers get a per-branch copy
-    of their fixed-size state. Branch i samples with its own generator seeded `seed + i`, so a branch's tokens
-    do not depend on the others. `temperature == 0` is greedy. Sampling never waits for the device, and whether
-    every branch has stopped is asked every `stop_check_every` tokens. With `parallel`, every rank of the group
-    passes its shard of the state and the same arguments (a seed included), and gets the same samples.
+    of their fixed-size state. Branch i samples with its own generator seeded `seed + first_branch + i`, so a
+    branch's tokens do not depend on the others, and data-parallel groups that each sample a slice of a GRPO group
+    (`first_branch`: the slice's first index) together draw what one call would. `temperature == 0` is greedy.
+    Sampling never waits for the device, and whether every branch has stopped is asked every `stop_check_every`
+    tokens. With `parallel`, every rank of the group passes its shard of the state and the same arguments (a seed
+    included), and gets the same samples.
+
+    `compile`: run each decode step's forward under torch.compile (`compiled_decoder`): True for inductor, or a
+    backend's name. The first call of a model pays the compilation (about a minute of CPU); the tokens drawn are
+    the same as without it up to the kernels' float rounding.
     """
     check_state(model, state, parallel)
     if stop_check_every < 1:
         raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"rollout needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if n < 1 or max_new_tokens < 1 or first_branch < 0:
+        raise ValueError(f"rollout needs n >= 1, max_new_tokens >= 1 and first_branch >= 0, got n={n}, "
+                         f"max_new_tokens={max_new_tokens}, first_branch={first_branch}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (0, 1], top_k={top_k} (>= 0)")
     cfg = model.config
@@ -90,11 +113,12 @@ def rollout(
         raise ValueError(f"stop_ids {bad} are outside the model vocab [0, {cfg.vocab_size})")
 
     p = next(model.parameters())
+    forward = compiled_decoder(model, "inductor" if compile is True else compile) if compile else model
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
     if parallel is not None:  # one seed for the whole group, so that every rank samples the same tokens
         seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64, device=parallel.device), 0))
-    gens = [torch.Generator(device=device).manual_seed(seed + i) for i in range(n)]
+    gens = [torch.Generator(device=device).manual_seed(seed + first_branch + i) for i in range(n)]
     cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
     # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces
     prefix = [s.for_branches(n) for s in state.layers]
@@ -107,7 +131,7 @@ def rollout(
         cache.filled = t
         view = PrefixView(prefix, state.length, offset=state.offset, parallel=parallel)
         seg = Segment(start=state.length + t, prefix=view, cache=cache, collect=True)
-        logits = model(tokens, seg)[:, -1].float()
+        logits = forward(tokens, seg)[:, -1].float()
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
         logp = torch.log_softmax(logits, dim=-1)
         if temperature == 0:
@@ -119,10 +143,19 @@ def rollout(
         done = done | torch.isin(nxt, stops)
         # asking whether all rows stopped waits for the device: ask every `stop_check_every` tokens (rows that
         # stopped decode on meanwhile; what follows their stop token is cut off below)
-        if (t + 1) % stop_check_every == 0 and bool(done.all()):
+        if (t + 1) % stop_check_every == 0 and _all_stopped(done, parallel):
             break
         tokens = nxt[:, None]
     return _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), stops)
+
+
+def _all_stopped(done: torch.Tensor, parallel: SequenceParallel | None) -> bool:
+    """Whether every branch has stopped, in the other data-parallel groups' slices too: all groups decode the same
+    number of steps, because under ZeRO-3 every step's forward gathers each layer's parameters from every rank."""
+    left = (~done).sum().reshape(1)
+    if parallel is not None:
+        parallel.dp_sum_(left)
+    return int(left) == 0
 
 
 def _samples(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor) -> list[Sample]:

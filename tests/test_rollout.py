@@ -150,3 +150,18 @@ def test_stop_checks_every_k_tokens_give_the_same_samples():
         assert a.finish_reason == b.finish_reason
     with pytest.raises(ValueError, match="stop_check_every"):
         ls.rollout(model, state, stop_check_every=0, **kw)
+
+
+def test_branch_slices_draw_what_one_call_draws():
+    """Data-parallel groups each sample a slice of a GRPO group (`first_branch`): together, the same answers."""
+    model = model_for("qwen3_5_text")
+    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    kw = dict(max_new_tokens=10, temperature=1.0, seed=7, stop_ids=[3])
+    whole = ls.rollout(model, state, n=4, **kw)
+    slices = ls.rollout(model, state, n=2, **kw) + ls.rollout(model, state, n=2, first_branch=2, **kw)
+    for a, b in zip(whole, slices, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert not torch.equal(slices[0].tokens, slices[2].tokens)  # the second slice did not redraw the first
+    with pytest.raises(ValueError, match="first_branch"):
+        ls.rollout(model, state, n=2, first_branch=-1, **kw)

@@ -83,7 +83,7 @@ def chunk_gated_delta_rule(
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, l2norm: bool = True) -> tuple[Tensor, Tensor]:
-    """Step-by-step reference of the same rule (tests; single-token decode). Same arguments and results."""
+    """Step-by-step form of the same rule (tests; the single-token decode step). Same arguments and results."""
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, l2norm)
     b, h, t = v.shape[:3]
@@ -106,8 +106,25 @@ def _fla_kernel():
     return fla_chunk
 
 
+def _fla_recurrent_kernel():
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    except ImportError:
+        return None
+    return fla_recurrent
+
+
 def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tensor]:
-    """Dispatch: flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else torch."""
+    """Dispatch. One token (a decode step) takes the recurrent step: the chunked form would pad it to a whole
+    chunk, 64x the work and two triangular solves. On CUDA that step is flash-linear-attention's fused recurrent
+    kernel when no gradient is wanted (the kernel has no backward); with autograd, the torch step. Longer segments
+    take flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else the torch chunked form."""
+    if q.shape[1] == 1:
+        if q.is_cuda and not torch.is_grad_enabled() and (fla := _fla_recurrent_kernel()) is not None:
+            init = None if initial_state is None else initial_state.float()
+            return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)  # grouped value heads natively, as the torch rule
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)
     if q.is_cuda and (fla := _fla_kernel()) is not None:
         rep = v.shape[2] // k.shape[2]
         if rep > 1:  # each key head serves `rep` consecutive value heads

@@ -44,7 +44,7 @@ from ..lora import add_lora
 from ..memory import PeakMeter, free_bytes
 from ..models import build_model, load_model, meta_model
 from ..parallel import balanced_ranges, is_sharded, shard_from_rank0, shard_model
-from ..rollout import rollout
+from ..rollout import Sample, rollout
 from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
 from ..state import PrefixState
 from ..store import manifest_digest, save_rollout
@@ -215,15 +215,21 @@ class Worker:
                 "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
 
     def rollout(self, weights: str, state: dict, step: int, group: int) -> dict:
-        """Sample G answers from the prefix state (shared by all branches) and store them (rank 0)."""
+        """Sample G answers from the prefix state (shared by all branches) and store them (rank 0). Each
+        data-parallel group samples its slice of the G (the slice it replays) and rank 0 gathers them: the same
+        answers as one group sampling all G, in 1/dp of the decode steps' batch."""
         cfg = self.cfg
         self._check_weights(weights)
         tok = load_tokenizer(cfg.tokenizer)
         prefix = self._load(state)
+        mine = range(cfg.responses) if self.parallel is None else self.parallel.branches(cfg.responses)
         with self._meter() as m:
-            samples = rollout(self.model, prefix, n=cfg.responses, max_new_tokens=cfg.max_new_tokens,
+            samples = rollout(self.model, prefix, n=len(mine), max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
-                              seed=example_seed(cfg.seed, step, group), parallel=self.parallel)
+                              seed=example_seed(cfg.seed, step, group), parallel=self.parallel,
+                              first_branch=mine.start)
+            if len(mine) < cfg.responses:
+                samples = self._gather_samples(samples)
         lengths = [s.tokens.numel() for s in samples]
         out = {"responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
                "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
@@ -236,6 +242,14 @@ class Worker:
                                     storage_options=cfg.store.storage_options)
             out |= {"path": url, "sha256": manifest_digest(manifest)}
         return out
+
+    def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
+        """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
+        mine = {"dp": self.parallel.dp_rank, "sp": self.parallel.rank,
+                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.finish_reason] for s in samples]}
+        slices = sorted((r for r in self.ranks.gather(mine) if r["sp"] == 0), key=lambda r: r["dp"])
+        return [Sample(torch.tensor(t, dtype=torch.long), torch.tensor(lp, dtype=torch.float32), reason)
+                for r in slices for t, lp, reason in r["samples"]]
 
     def reference(self, ref_weights: str, state: dict, rollout_ref: dict, step: int, group: int) -> dict:
         """Log-probs of the sampled answers under the frozen initial weights (the KL term); the prompt's tokens

@@ -27,7 +27,8 @@ def test_dry_run_reports_every_section(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["state_bytes"] > 0 for r in res["capture"])
     assert res["exact"]["P"] == 256 and res["exact"]["planned_bytes"] > 0
     assert res["naive"]["mode"] == "naive" and res["naive"]["seconds"] > 0
-    assert [r["n"] for r in res["rollout"]] == [1, 8] and res["rollout"][1]["tokens"] == 8 * 16
+    assert [(r["n"], r["compile"]) for r in res["rollout"]] == [(1, "off"), (8, "off"), (1, "eager"), (8, "eager")]
+    assert all(r["tokens"] == r["n"] * 16 and r["tokens_per_s"] > 0 for r in res["rollout"])
 
 
 def test_a_measurement_beyond_the_budget_is_skipped_with_its_reason(tmp_path):

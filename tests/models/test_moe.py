@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw.models.common.moe import Experts
+from longstraw.models.common.moe import Experts, grouped_mm_takes
 
 
 def _experts(dtype: torch.dtype) -> Experts:
@@ -46,3 +46,25 @@ def test_fp64_and_unaligned_sizes_take_the_loop():
     assert not e._groupable(torch.randn(3, 32, dtype=torch.float64))
     odd = Experts(experts=2, hidden=6, intermediate=4)
     assert not odd._groupable(torch.randn(3, 6))
+
+
+@pytest.mark.parametrize("device,dtype,compiling,grouped", [
+    ("cpu", torch.float32, False, True),
+    ("cpu", torch.bfloat16, False, True),
+    ("cpu", torch.float32, True, False),  # torch.compile's meta function for _grouped_mm takes bf16 only
+    ("cpu", torch.bfloat16, True, True),
+    ("cuda", torch.float32, False, False),  # the CUDA kernel takes bf16 only
+    ("cuda", torch.bfloat16, False, True),
+    ("cuda", torch.float16, True, False),
+])
+def test_grouped_mm_dtypes_per_device(device, dtype, compiling, grouped):
+    assert grouped_mm_takes(device, dtype, compiling) == grouped
+
+
+def test_the_refused_case_really_fails_under_compile():
+    """What the rule above encodes: tracing fp32 `_grouped_mm` fails, the loop it falls back to does not."""
+    e = _experts(torch.float32)
+    x, idx, w = torch.randn(4, 32), torch.tensor([[0, 1]] * 4), torch.rand(4, 2)
+    with pytest.raises(Exception, match="BF16"):
+        torch.compile(e._grouped, backend="eager", fullgraph=True)(x, idx, w)
+    torch.testing.assert_close(torch.compile(e, backend="eager")(x, idx, w), e._looped(x, idx, w))

@@ -347,3 +347,47 @@ def test_cuda_kernel_equals_the_reference_with_initial_state_gradient():
 
     for a, want in zip(run("cuda", gated_delta_rule), run("cpu", chunk_gated_delta_rule)):
         assert float((a - want).abs().max()) <= 2e-3 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)])
+def test_one_token_step_equals_the_reference_with_gradients(hk, hv):
+    """The dispatch's single-token path (decode steps, 1-token replays): outputs, final state and every input's
+    gradient, the initial state's included, equal the independent float64 reference."""
+    from longstraw.ops.gated_delta import gated_delta_rule
+
+    torch.manual_seed(1)
+    b, dk, dv = 3, 8, 8
+    xs = [torch.randn(b, 1, hk, dk, dtype=torch.float64), torch.randn(b, 1, hk, dk, dtype=torch.float64),
+          torch.randn(b, 1, hv, dv, dtype=torch.float64), -torch.rand(b, 1, hv, dtype=torch.float64),
+          torch.rand(b, 1, hv, dtype=torch.float64), torch.randn(b, hv, dk, dv, dtype=torch.float64)]
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o, final = fn(*leaves[:5], initial_state=leaves[5])
+        (o.square().sum() + final.square().sum()).backward()
+        return [o, final, *(x.grad for x in leaves)]
+
+    for got, want in zip(run(gated_delta_rule), run(reference_gated_delta), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        o, final = gated_delta_rule(*xs[:5], initial_state=xs[5])
+    torch.testing.assert_close(o, reference_gated_delta(*xs[:5], initial_state=xs[5])[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with flash-linear-attention (the gpu extra)")
+def test_cuda_decode_step_equals_the_reference():
+    """A decode step on CUDA (flash-linear-attention's fused recurrent kernel, no autograd) against the torch
+    rule on CPU, with grouped value heads and an initial state."""
+    from longstraw.ops.gated_delta import _fla_recurrent_kernel, gated_delta_rule
+
+    if _fla_recurrent_kernel() is None:
+        pytest.skip("flash-linear-attention is not installed (pip install -e '.[gpu]')")
+    torch.manual_seed(0)
+    b, hk, hv, dk, dv = 8, 2, 4, 128, 128
+    xs = [torch.randn(b, 1, hk, dk), torch.randn(b, 1, hk, dk), torch.randn(b, 1, hv, dv), -torch.rand(b, 1, hv),
+          torch.rand(b, 1, hv), torch.randn(b, hv, dk, dv)]
+    with torch.no_grad():
+        got = gated_delta_rule(*(x.cuda() for x in xs[:5]), initial_state=xs[5].cuda())
+        want = chunk_gated_delta_rule(*xs[:5], initial_state=xs[5])
+    for a, w in zip(got, want):
+        assert float((a.float().cpu() - w).abs().max()) <= 2e-3 * max(1.0, float(w.abs().max()))

@@ -121,9 +121,11 @@ class MLAttention(TokenMixer):
             with torch.no_grad():
                 qw = self.indexer.queries(x, q_resid, rope)
                 rows, offset = (0, 0) if prefix is None else (prefix.kv.shape[0], seg.prefix.offset)
-                # streamed: one block of prefix scores exists at a time
-                blocks = ((offset + p0, self.indexer.scores(qw, prefix.index_k[p0 : p0 + KEY_BLOCK], False))
-                          for p0 in range(0, rows, KEY_BLOCK))
+                # streamed: one block of prefix scores exists at a time. Looping over block numbers, not over
+                # range(0, rows, KEY_BLOCK), lets torch.compile keep `rows` symbolic: its guard is on the count
+                blocks = ((offset + b * KEY_BLOCK,
+                           self.indexer.scores(qw, prefix.index_k[b * KEY_BLOCK : (b + 1) * KEY_BLOCK], False))
+                          for b in range(-(-rows // KEY_BLOCK)))
                 own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
                 if seg.parallel is None:
                     sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)

@@ -4,7 +4,9 @@ normalised top-k weights, routed scaling, plus shared experts.
 The experts run as grouped matrix products (`torch._grouped_mm`): the (token, expert) pairs sorted by expert, each
 expert's rows a contiguous block whose end offsets stay on the device, so routing never waits for the host (a loop
 over the experts hit needs their ids on the host: one sync per MoE layer per forward, which stalls a GPU).
-`_grouped_mm` takes fp32/bf16/fp16 with 16-byte-aligned rows; other cases (fp64 tests, odd sizes) take the loop.
+`_grouped_mm` wants 16-byte-aligned rows. Its CUDA kernel takes bf16 only, and so does the meta function that
+torch.compile traces with; the CPU kernel also takes fp32 and fp16. Other cases (fp32 on a GPU or under compile, fp64
+tests, odd sizes) take the loop.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class TopkRouter(nn.Module):
         return w * self.scaling, idx
 
 
+def grouped_mm_takes(device_type: str, dtype: torch.dtype, compiling: bool) -> bool:
+    """Whether `torch._grouped_mm` takes `dtype` on this device (under torch.compile, what its meta function takes)."""
+    if device_type == "cpu" and not compiling:
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return dtype == torch.bfloat16
+
+
 class Experts(nn.Module):
     """Experts fused as transformers stores them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
 
@@ -61,14 +70,16 @@ class Experts(nn.Module):
     def _groupable(self, x: torch.Tensor) -> bool:
         align = 16 // x.element_size()
         sizes = (x.shape[-1], self.down_proj.shape[-1])
-        return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and self.gate_up_proj.dtype == x.dtype
-                and all(n % align == 0 for n in sizes))
+        return (grouped_mm_takes(x.device.type, x.dtype, torch.compiler.is_compiling())
+                and self.gate_up_proj.dtype == x.dtype and all(n % align == 0 for n in sizes))
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)  # stable: a token's pairs keep their order, so sums are reproducible
+        # stable: a token's pairs keep their order, so sums are reproducible
+        experts, order = idx.reshape(-1).sort(stable=True)
         token = order // idx.shape[1]
-        ends = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        # each expert's end row: a fixed-size result (bincount's size would depend on the data under compile)
+        every = torch.arange(self.gate_up_proj.shape[0], device=idx.device, dtype=experts.dtype)
+        ends = torch.searchsorted(experts, every, right=True).to(torch.int32)
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=ends)
         y = y * w.reshape(-1)[order, None].to(x.dtype)
