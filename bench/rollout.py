@@ -2,8 +2,9 @@
 
 Each n runs in its own subprocess: capture the prompt, then time `rollout` (fixed length: no stop ids) and read
 the extra peak RSS. Memory should grow with n only by the branches' own tokens, never by n copies of the prefix.
-With `--compile`, each n also runs with the decode step under torch.compile (inductor). Every run is made twice
-and the second is timed: the first pays the compilation (column `first s`).
+With `--compile`, each n also runs with the decode step under torch.compile (inductor), dynamic and static (the
+static decode: one graph for all steps, a CUDA graph on a GPU). Every run is made twice and the second is timed:
+the first pays the compilation (column `first s`).
 
     .venv/bin/python bench/rollout.py                    # tiny dense model, 16K-token prompt, n in {1, 8}
     .venv/bin/python bench/rollout.py --arch qwen3_5 --n 1 4 8 16
@@ -33,7 +34,8 @@ def worker(p: dict) -> dict:
     model, cfg = tiny_model(p["arch"], p["P"] + p["tokens"] + 8, p["threads"])
     prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
     state = ls.capture(model, prompt)
-    kw = dict(n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0, compile=p["compile"])
+    kw = dict(n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0, compile=p["compile"],
+              static_shapes=p["static"])
     with PeakMeter() as first:
         ls.rollout(model, state, **kw)
     with PeakMeter() as m:
@@ -58,15 +60,15 @@ def main() -> None:
     print(f"{'n':>4} {'compile':>8} {'seconds':>8} {'first s':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} "
           f"{'n x state MiB':>14}")
     for n in args.n:
-        for compile in [False, "inductor"] if args.compile else [False]:
+        for compile, static in [(False, False), ("inductor", False), ("inductor", True)][: 3 if args.compile else 1]:
             params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads,
-                      "compile": compile}
+                      "compile": compile, "static": static}
             r = run_worker(__file__, params)
             if "error" in r:
                 print(f"worker {params} failed: {r['error']}", flush=True)
                 continue
             rows.append(r)
-            print(f"{n:>4} {compile or 'off':>8} {r['seconds']:>8.2f} {r['first_seconds']:>8.2f} "
+            print(f"{n:>4} {'static' if static else compile or 'off':>8} {r['seconds']:>8.2f} {r['first_seconds']:>8.2f} "
                   f"{r['tokens_per_s']:>9.1f} {r['peak_bytes'] / MIB:>9.1f} {r['state_bytes'] / MIB:>10.1f} "
                   f"{n * r['state_bytes'] / MIB:>14.1f}", flush=True)
     eager = [r for r in rows if not r["compile"]]
@@ -76,7 +78,8 @@ def main() -> None:
     for r in rows:
         base = next((e for e in eager if e["n"] == r["n"]), None)
         if r["compile"] and base is not None:
-            print(f"compiled / eager at n={r['n']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+            print(f"compiled{' static' if r['static'] else ''} / eager at n={r['n']}: "
+                  f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -11,7 +11,7 @@ from torch import nn
 from .engine.checks import check_state
 from .models.protocol import PrefixLM
 from .parallel import SequenceParallel
-from .state import DecodeCache, PrefixState, PrefixView, Segment
+from .state import DecodeCache, LayerState, PrefixState, PrefixView, Segment
 
 
 @dataclass
@@ -34,17 +34,19 @@ def sample_no_sync(probs: torch.Tensor, generators: Sequence[torch.Generator]) -
     return (probs / race).argmax(-1)
 
 
-def compiled_decoder(model: PrefixLM, backend: str = "inductor") -> nn.Module:
+def compiled_decoder(model: PrefixLM, backend: str = "inductor", static_shapes: bool = False) -> nn.Module:
     """`model`'s forward under torch.compile, for decode steps. The graphs are cached by torch (on the forward's
     code, under guards), so a new wrapper per rollout compiles nothing the last one did.
 
-    Sizes are symbolic from the first call (`dynamic=True`) because every step grows the branches' own tokens by one
-    and moves the position; a decode of any length compiles at most three graphs (tested). Not CUDA graphs
-    ("reduce-overhead"): they need static shapes, and would record one graph per own-token length; that takes a
-    decode over a fixed-size own-token buffer behind a mask. The collectives of a sequence-parallel group break the
-    graph there, which costs speed, not correctness.
+    The dynamic decode grows the branches' own tokens by one each step and moves the position, so sizes are
+    symbolic from the first call: a decode of any length compiles at most three graphs (tested). The static decode
+    (`static_shapes`) has the same shapes every step and the position on the device: one graph, which inductor
+    records as a CUDA graph and replays each step ("reduce-overhead"; on a CPU it just runs the graph). The
+    collectives of a sequence-parallel group break the graph there, which costs speed, not correctness.
     """
-    return torch.compile(model, dynamic=True, backend=backend)
+    if static_shapes and backend == "inductor":
+        return torch.compile(model, dynamic=False, mode="reduce-overhead")
+    return torch.compile(model, dynamic=not static_shapes, backend=backend)
 
 
 def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -77,6 +79,7 @@ def rollout(
     parallel: SequenceParallel | None = None,
     stop_check_every: int = 8,
     compile: bool | str = False,
+    static_shapes: bool = False,
     first_branch: int = 0,
 ) -> list[Sample]:
     """Generate `n` responses to the captured prompt.
@@ -92,7 +95,10 @@ def rollout(
 
     `compile`: run each decode step's forward under torch.compile (`compiled_decoder`): True for inductor, or a
     backend's name. The first call of a model pays the compilation (about a minute of CPU); the tokens drawn are
-    the same as without it up to the kernels' float rounding.
+    the same as without it up to the kernels' float rounding. `static_shapes`: each step reads the branches' whole
+    preallocated own-token buffers behind a mask, at a position kept on the device, so all steps are one graph
+    (with inductor on CUDA, replayed as a CUDA graph); the same tokens up to rounding, for a little more attention
+    work over the not yet written rows (at most `max_new_tokens` of them, against a prefix of millions).
     """
     check_state(model, state, parallel)
     if stop_check_every < 1:
@@ -113,7 +119,7 @@ def rollout(
         raise ValueError(f"stop_ids {bad} are outside the model vocab [0, {cfg.vocab_size})")
 
     p = next(model.parameters())
-    forward = compiled_decoder(model, "inductor" if compile is True else compile) if compile else model
+    forward = compiled_decoder(model, "inductor" if compile is True else compile, static_shapes) if compile else model
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
     if parallel is not None:  # one seed for the whole group, so that every rank samples the same tokens
@@ -122,17 +128,27 @@ def rollout(
     cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
     # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces
     prefix = [s.for_branches(n) for s in state.layers]
+    step = torch.zeros((), dtype=torch.long, device=p.device) if static_shapes else None
+    if static_shapes:
+        prefix = _dense(prefix)
+        for t in (t for s in cache.layers.values() for t in s.tensors()):
+            t.zero_()  # the masked rows are read too (their weight is 0, and 0 x a NaN of raw memory is NaN)
+        # inputs at fixed addresses: a CUDA graph reads them in place instead of copying them every step
+        for t in [step, *(t for s in [*state.layers, *cache.layers.values()] for t in s.tensors())]:
+            torch._dynamo.mark_static_address(t)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     tokens = torch.full((n, 1), state.last_token, dtype=torch.long, device=device)
     out_tokens, out_logps = [], []
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        cache.filled = t
+        cache.filled = t if step is None else step
         view = PrefixView(prefix, state.length, offset=state.offset, parallel=parallel)
-        seg = Segment(start=state.length + t, prefix=view, cache=cache, collect=True)
+        seg = Segment(start=state.length + (t if step is None else step), prefix=view, cache=cache, collect=True)
         logits = forward(tokens, seg)[:, -1].float()
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
+        if step is not None:
+            prefix = _dense(prefix)
         logp = torch.log_softmax(logits, dim=-1)
         if temperature == 0:
             nxt = logits.argmax(-1)
@@ -146,7 +162,15 @@ def rollout(
         if (t + 1) % stop_check_every == 0 and _all_stopped(done, parallel):
             break
         tokens = nxt[:, None]
+        if step is not None:
+            step.add_(1)
     return _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), stops)
+
+
+def _dense(states: list[LayerState]) -> list[LayerState]:
+    """Fixed-size states made contiguous (per-token ones as they are): the static decode's every step then passes
+    the same strides (broadcast views at the first step, slices of the conv window after it), so one graph serves."""
+    return [s.map(torch.Tensor.contiguous) if s.token_axis is None else s for s in states]
 
 
 def _all_stopped(done: torch.Tensor, parallel: SequenceParallel | None) -> bool:

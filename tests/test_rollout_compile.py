@@ -1,5 +1,6 @@
 """rollout(compile=...): the decode step under torch.compile draws the same tokens as the eager model, as one graph
-per step (no graph breaks), and compiles a bounded number of graphs however many tokens it decodes.
+per step (no graph breaks), and compiles a bounded number of graphs however many tokens it decodes. The static
+decode (static_shapes=True) draws the same tokens as the dynamic one, and compiles one graph for all steps.
 
 The slow part is compilation (tens of seconds per model on the CPU), so each family compiles once. `aot_eager`
 traces and partitions exactly what inductor would get, without generating code; the dense model also runs inductor.
@@ -49,3 +50,40 @@ def test_compiled_decode_equals_eager(arch, dtype, backend):
     for a, b in zip(ls.rollout(model, again, **kw), ls.rollout(model, again, compile=backend, **kw)):
         assert torch.equal(a.tokens, b.tokens)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _nan_cache(model):
+    """Decode buffers full of NaN: what raw memory may hold, and what the static decode must never let through."""
+    empty = model.empty_cache
+
+    def poisoned(*args):
+        return {i: s.map(lambda t: t.fill_(float("nan"))) for i, s in empty(*args).items()}
+    model.empty_cache = poisoned
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
+def test_static_decode_equals_the_dynamic_one(arch):
+    model = _model(arch, torch.float32)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), chunk_size=16)
+    kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5, stop_ids=[3])
+    dynamic = ls.rollout(model, state, **kw)
+    static = ls.rollout(_nan_cache(model), state, static_shapes=True, **kw)
+    for a, b in zip(dynamic, static, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch,backend", [("qwen3_5_text", "aot_eager"), ("qwen3", "inductor")])
+def test_static_decode_compiles_one_graph(arch, backend):
+    """inductor takes the static decode in mode reduce-overhead (CUDA graphs; on a CPU the graph just runs)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _nan_cache(_model(arch, torch.float32))
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), chunk_size=16)
+    kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5)
+    for a, b in zip(ls.rollout(model, state, **kw), ls.rollout(model, state, compile=backend, static_shapes=True, **kw)):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1

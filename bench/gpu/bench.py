@@ -5,7 +5,8 @@ A random Qwen3.5-shaped model of ~4B parameters, bf16, built on the GPU (no down
 - capture: tokens/s and model-FLOPs utilisation at P = 128K, 512K, 1M, 2.1M;
 - exact: one GRPO step (G = 8, R = 1K) at the largest P that fits, its peak memory against `longstraw plan`;
 - naive: the same step recomputing the prompt per branch, at the largest P it fits, for the ratio;
-- rollout: decode tokens/s for n = 1 and 8 branches on one shared prefix, eager and with the decode step compiled.
+- rollout: decode tokens/s for n = 1 and 8 branches on one shared prefix, eager, then with the decode step compiled
+  (static: one CUDA graph replayed per token; dynamic).
 
 Each measurement is predicted from the ones before it (capture time grows as a P + b P^2) and skipped, with the
 reason recorded, when it would not fit the remaining budget; an out-of-memory stops that section's growth. With
@@ -175,22 +176,29 @@ def largest_step(model, cfg, lengths, g, r, mode, device, clock, chunk, cost) ->
     return {"mode": mode, "skipped": "no P fits the time left or the memory"}
 
 
-def rollout(model, cfg: dict, p: int, ns: list[int], tokens: int, device, compile: bool | str = False) -> list[dict]:
+def rollout(model, cfg: dict, p: int, ns: list[int], tokens: int, device, compile: bool | str = False,
+            static: bool = False) -> list[dict]:
     """Decode tokens/s of n branches on one P-token prefix. Each n runs twice and the second run is timed, so
-    neither the first call's kernel loading nor, with `compile`, the compilation (`warm_s` holds both) is counted."""
+    neither the first call's kernel loading nor, with `compile`, the compilation (`warm_s` holds both) is counted.
+    `cudagraph_skips`: inductor's count of graphs it could not replay as CUDA graphs (static decode)."""
+    from torch._dynamo.utils import counters
+
     state = ls.capture(model, torch.randint(0, cfg["vocab_size"], (p,)), 2048)
     rows = []
     for n in ns:
         runs = []
+        skips = counters["inductor"]["cudagraph_skips"]
         for _ in range(2):
             _sync(device)
             t0 = time.perf_counter()
-            samples = ls.rollout(model, state, n=n, max_new_tokens=tokens, temperature=1.0, seed=0, compile=compile)
+            samples = ls.rollout(model, state, n=n, max_new_tokens=tokens, temperature=1.0, seed=0, compile=compile,
+                                 static_shapes=static)
             _sync(device)
             runs.append(time.perf_counter() - t0)
         made = sum(len(s.tokens) for s in samples)
-        rows.append({"P": p, "n": n, "compile": compile or "off", "tokens": made, "seconds": runs[1],
-                     "warm_s": runs[0], "tokens_per_s": made / runs[1]})
+        rows.append({"P": p, "n": n, "compile": compile or "off", "static": static, "tokens": made,
+                     "seconds": runs[1], "warm_s": runs[0], "tokens_per_s": made / runs[1],
+                     "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips})
     return rows
 
 
@@ -225,9 +233,13 @@ def table(res: dict) -> str:
                          f"{r['peak_bytes'] / gib:.1f} GiB{plan}")
     if "seconds" in res["naive"] and "seconds" in res["exact"] and res["naive"]["P"] == res["exact"]["P"]:
         lines.append(f"naive / exact at P {res['exact']['P']}: {res['naive']['seconds'] / res['exact']['seconds']:.2f}x")
-    lines += [f"rollout n {r['n']}, compile {r['compile']}: {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens "
-              f"at P {r['P']}; first run {r['warm_s']:.1f} s)" if "skipped" not in r else
-              f"rollout compile {r['compile']}: skipped: {r['skipped']}" for r in res["rollout"]]
+    def decode(r: dict) -> str:
+        how = f"compile {r['compile']}{', static' if r['static'] else ''}"
+        if "skipped" in r:
+            return f"rollout {how}: skipped: {r['skipped']}"
+        return (f"rollout n {r['n']}, {how}: {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens at P {r['P']}; "
+                f"first run {r['warm_s']:.1f} s; CUDA graph skips {r['cudagraph_skips']})")
+    lines += [decode(r) for r in res["rollout"]]
     return "\n".join(lines)
 
 
@@ -269,13 +281,16 @@ def main(argv: list[str] | None = None) -> dict:
         res["exact"]["planned_bytes"] = planned_peak(cfg, res["exact"]["P"], g, r, chunk, gpu_gb)
     res["naive"] = largest_step(model, cfg, list(seconds), g, r, "naive", device, clock, chunk,
                                 lambda p: 3 * g * seconds.get(p, per_p * p * p) + 1)
-    # last, as it may spend minutes compiling: the same rollout with the decode step under torch.compile (the dry
-    # run traces with the "eager" backend, which checks the capture without generating code)
-    compiled = {"compile": "eager" if dry else "inductor"}
-    if clock.left > (0 if dry else 150):
-        res["rollout"] += rollout(model, cfg, lengths[0], [1, 8], rollout_tokens, device, compiled["compile"])
-    else:
-        res["rollout"].append(compiled | {"skipped": f"{clock.left:.0f} s left, compiling needs about 150"})
+    # last, as they may spend minutes compiling: the same rollout with the decode step under torch.compile, first
+    # the static decode (one graph, replayed as a CUDA graph), then the dynamic one (the dry run traces with the
+    # "eager" backend, which checks the capture without generating code)
+    backend = "eager" if dry else "inductor"
+    for static in (True, False):
+        if clock.left > (0 if dry else 150):
+            res["rollout"] += rollout(model, cfg, lengths[0], [1, 8], rollout_tokens, device, backend, static)
+        else:
+            res["rollout"].append({"compile": backend, "static": static,
+                                   "skipped": f"{clock.left:.0f} s left, compiling needs about 150"})
     res["seconds_used"] = (args.budget_s or (60 if dry else 420)) - clock.left
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

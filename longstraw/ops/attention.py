@@ -279,16 +279,32 @@ def segment_attention(
     return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel)
 
 
+def _masked_part(q: Tensor, k: Tensor, v: Tensor, scale: float, visible: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q [B, H, 1, d] over the first `visible` rows (a 0-dim device tensor) of k/v [B, Hkv, L, d]:
+    the static decode's own tokens, a fixed-size buffer whose later rows are masked out. Short (L <= the new
+    tokens), so plain products in the accumulation dtype."""
+    qg, _ = _group(q, k.shape[1])
+    s = torch.matmul(qg, k.transpose(-1, -2)).to(_acc(q)) * scale
+    s = s.masked_fill(torch.arange(k.shape[2], device=k.device) >= visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.exp(s - lse[..., None]), v.to(s.dtype))
+    return o.to(q.dtype).reshape(*q.shape[:3], -1), lse.reshape(q.shape[:3])
+
+
 @torch.no_grad()
 def decode_attention(
     q: Tensor, own_k: Tensor, own_v: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None,
-    parallel=None,
+    parallel=None, own_visible: Tensor | None = None,
 ) -> Tensor:
     """One new token per row (q [B, H, 1, d]) over the shared prefix and the row's own tokens so far, itself
-    included (own_k/own_v [B, Hkv, L+1, d]); merged by log-sum-exp like `segment_attention`."""
+    included (own_k/own_v [B, Hkv, L+1, d]; with `own_visible`, the static decode's whole buffer of which that
+    many rows count); merged by log-sum-exp like `segment_attention`."""
     if q.shape[2] != 1:
         raise ValueError("decode_attention takes one query token per row")
-    o, lse = part_forward(q, own_k, own_v, False, scale)
+    if own_visible is None:
+        o, lse = part_forward(q, own_k, own_v, False, scale)
+    else:
+        o, lse = _masked_part(q, own_k, own_v, scale, own_visible)
     if prefix is not None and (parallel is not None or prefix[0].shape[1]):
         o, lse = merge_parts(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel)[:2], o, lse)
     return o

@@ -96,9 +96,9 @@ class LayerState(ABC):
 
     # ---- capture --------------------------------------------------------------------------------------------
     @abstractmethod
-    def append(self, start: int, new: LayerState) -> LayerState:
-        """The state after a segment at `start` emitted `new` (unbatched): per-token rows are written in place
-        (the buffer is preallocated), a fixed-size state is replaced by `new`."""
+    def append(self, start: int | Tensor, new: LayerState) -> LayerState:
+        """The state after a segment at `start` (an int, or a 0-dim device tensor) emitted `new` (unbatched):
+        per-token rows are written in place (the buffer is preallocated), a fixed-size state is replaced by `new`."""
 
     @abstractmethod
     def boundary(self) -> LayerState | None:
@@ -176,7 +176,11 @@ class TokenState(LayerState):
         theirs = new.named_tensors()
         for name, buf in self.named_tensors().items():
             t = theirs[name]
-            buf.narrow(-2, start, t.shape[-2]).copy_(t)
+            if isinstance(start, Tensor):  # a device-side position (static decode): index, never read on the host
+                rows = start + torch.arange(t.shape[-2], device=buf.device)
+                buf.index_copy_(buf.dim() - 2, rows, t.to(buf.dtype))
+            else:
+                buf.narrow(-2, start, t.shape[-2]).copy_(t)
         return self
 
     def boundary(self):

@@ -38,18 +38,32 @@ class PrefixView:
 @dataclass
 class DecodeCache:
     """Per-branch buffers (batch dim first) of the tokens the branches generated so far, `filled` of them written,
-    for the layers whose state grows with tokens."""
+    for the layers whose state grows with tokens.
+
+    `filled` is an int, or for the static decode a 0-dim device tensor: then a step reads the whole buffer with
+    the rows from `visible` on masked out, so every step has the same shapes and no host value (one compiled graph
+    for all steps, which CUDA graphs can replay)."""
 
     layers: dict[int, LayerState]
-    filled: int = 0
+    filled: int | torch.Tensor = 0
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
 
+    @property
+    def static(self) -> bool:
+        return isinstance(self.filled, torch.Tensor)
+
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """Static decode: how many buffer rows a one-token step sees, its own included (a device tensor); else None."""
+        return self.filled + 1 if self.static else None
+
     def extend(self, layer: int, new: LayerState) -> LayerState:
-        """Write a decode step's `new` rows at `filled`; the layer's generated tokens so far, the new ones included."""
+        """Write a decode step's `new` rows at `filled`; the layer's generated tokens so far, the new ones included
+        (static decode: the whole buffer, of which `visible` rows count)."""
         buf = self.layers[layer].append(self.filled, new)
-        return buf.narrow(0, self.filled + new.tokens)
+        return buf if self.static else buf.narrow(0, self.filled + new.tokens)
 
 
 class Segment:

@@ -27,7 +27,9 @@ def test_dry_run_reports_every_section(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["state_bytes"] > 0 for r in res["capture"])
     assert res["exact"]["P"] == 256 and res["exact"]["planned_bytes"] > 0
     assert res["naive"]["mode"] == "naive" and res["naive"]["seconds"] > 0
-    assert [(r["n"], r["compile"]) for r in res["rollout"]] == [(1, "off"), (8, "off"), (1, "eager"), (8, "eager")]
+    assert [(r["n"], r["compile"], r["static"]) for r in res["rollout"]] == [
+        (1, "off", False), (8, "off", False), (1, "eager", True), (8, "eager", True), (1, "eager", False),
+        (8, "eager", False)]
     assert all(r["tokens"] == r["n"] * 16 and r["tokens_per_s"] > 0 for r in res["rollout"])
 
 

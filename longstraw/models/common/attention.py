@@ -76,7 +76,8 @@ class Attention(TokenMixer):
         prefix = None if rows is None else (rows.k, rows.v)
         if seg.cache is not None:
             own = seg.cache.extend(self.layer_idx, kv)  # the branch's tokens so far, this one included
-            out = decode_attention(q, own.k, own.v, self.scale, prefix, parallel=seg.parallel)
+            out = decode_attention(q, own.k, own.v, self.scale, prefix, parallel=seg.parallel,
+                                   own_visible=seg.cache.visible)
         else:
             out = segment_attention(q, kv.k, kv.v, self.scale, prefix, None if sink is None else (sink.k, sink.v),
                                     parallel=seg.parallel)

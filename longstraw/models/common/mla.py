@@ -127,6 +127,9 @@ class MLAttention(TokenMixer):
                            self.indexer.scores(qw, prefix.index_k[b * KEY_BLOCK : (b + 1) * KEY_BLOCK], False))
                           for b in range(-(-rows // KEY_BLOCK)))
                 own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
+                if seg.cache is not None and (visible := seg.cache.visible) is not None:  # static decode: unwritten rows
+                    own_scores = own_scores.masked_fill(
+                        torch.arange(own_scores.shape[-1], device=own_scores.device) >= visible, float("-inf"))
                 if seg.parallel is None:
                     sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
                 else:
@@ -155,7 +158,8 @@ class MLAttention(TokenMixer):
             kv = own.kv[:, None]
             pk = None if prefix is None else (prefix.kv[None], prefix.kv[None])
             if decoding:
-                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk, parallel=seg.parallel)
+                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk, parallel=seg.parallel,
+                                     own_visible=seg.cache.visible)
             else:
                 pg = None if grad is None else (grad.kv[None], grad.kv[None])
                 o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg,

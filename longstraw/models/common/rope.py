@@ -98,11 +98,12 @@ class Rotary(nn.Module):
         self.inv_freq, self.scale = inverse_frequencies(rope, dim, max_positions)
 
     def forward(
-        self, start: int, length: int, dtype: torch.dtype, device: torch.device
+        self, start: int | torch.Tensor, length: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`start` may be a 0-dim device tensor (the static decode: no host value, the same graph every step)."""
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
-        pos = torch.arange(start, start + length, device=device, dtype=torch.float32)
+        pos = torch.arange(length, device=device, dtype=torch.float32) + start  # exact: positions < 2^24
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
