@@ -144,7 +144,7 @@ def rollout(
     for t in range(max_new_tokens):
         cache.filled = t if step is None else step
         view = PrefixView(prefix, state.length, offset=state.offset, parallel=parallel)
-        seg = Segment(start=state.length + (t if step is None else step), prefix=view, cache=cache, collect=True)
+        seg = Segment(start=state.length + cache.filled, prefix=view, cache=cache, collect=True)
         logits = forward(tokens, seg)[:, -1].float()
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
         if step is not None:

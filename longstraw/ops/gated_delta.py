@@ -117,10 +117,13 @@ def _fla_recurrent_kernel():
 def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tensor]:
     """Dispatch. One token (a decode step) takes the recurrent step: the chunked form would pad it to a whole
     chunk, 64x the work and two triangular solves. On CUDA that step is flash-linear-attention's fused recurrent
-    kernel when no gradient is wanted (the kernel has no backward); with autograd, the torch step. Longer segments
-    take flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else the torch chunked form."""
+    kernel when no gradient is wanted (the kernel has no backward); with autograd, or under torch.compile (which
+    fuses the torch step into its own kernel instead of breaking the graph at FLA's), the torch step. Longer
+    segments take flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else the torch
+    chunked form."""
     if q.shape[1] == 1:
-        if q.is_cuda and not torch.is_grad_enabled() and (fla := _fla_recurrent_kernel()) is not None:
+        if (q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and (fla := _fla_recurrent_kernel()) is not None):
             init = None if initial_state is None else initial_state.float()
             return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
                        use_qk_l2norm_in_kernel=True)  # grouped value heads natively, as the torch rule
