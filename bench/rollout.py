@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from archs import ARCHS  # noqa: E402
-from worker import parse_or_work, run_worker, tiny_model  # noqa: E402
+from worker import parse_or_work, run_or_report, tiny_model  # noqa: E402
 
 MIB = 2**20
 
@@ -63,9 +63,7 @@ def main() -> None:
         for compile, static in [(False, False), ("inductor", False), ("inductor", True)][: 3 if args.compile else 1]:
             params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads,
                       "compile": compile, "static": static}
-            r = run_worker(__file__, params)
-            if "error" in r:
-                print(f"worker {params} failed: {r['error']}", flush=True)
+            if (r := run_or_report(__file__, params)) is None:
                 continue
             rows.append(r)
             print(f"{n:>4} {'static' if static else compile or 'off':>8} {r['seconds']:>8.2f} {r['first_seconds']:>8.2f} "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from archs import ARCHS  # noqa: E402
-from worker import parse_or_work, run_worker, tiny_model  # noqa: E402
+from worker import parse_or_work, run_or_report, tiny_model  # noqa: E402
 
 MIB = 2**20
 
@@ -68,9 +68,7 @@ def main() -> None:
     for p_len in args.P:
         params = {"arch": args.arch, "P": p_len, "R": args.R, "threads": args.threads,
                   "overrides": {"num_attention_heads": args.heads}}
-        r = run_worker(__file__, params)
-        if "error" in r:
-            print(f"worker {params} failed: {r['error']}", flush=True)
+        if (r := run_or_report(__file__, params)) is None:
             continue
         rows.append(r)
         print(f"{p_len:>7} {r['state_bytes'] / MIB:>10.1f} {r['score_peak_bytes'] / MIB:>15.1f} "

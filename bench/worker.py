@@ -46,6 +46,15 @@ def run_worker(script: str, params: dict, timeout: float | None = None) -> dict:
     return {**json.loads(line[len(TAG) :]), "process_seconds": time.perf_counter() - t0}
 
 
+def run_or_report(script: str, params: dict, timeout: float | None = None) -> dict | None:
+    """`run_worker`, printing a failed worker's error (None then) so a sweep goes on with the next point."""
+    r = run_worker(script, params, timeout)
+    if "error" in r:
+        print(f"worker {params} failed: {r['error']}", flush=True)
+        return None
+    return r
+
+
 def tiny_model(arch: str, max_positions: int, threads: int, **overrides):
     """(model, its config dict) of a benchmark architecture, built with a fixed seed on `threads` threads."""
     import torch

@@ -14,6 +14,8 @@ On CUDA with flash-linear-attention installed, `gated_delta_rule` uses its kerne
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -98,20 +100,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, l2norm: boo
     return torch.stack(outs, dim=2).transpose(1, 2).to(out_dtype), state
 
 
-def _fla_kernel():
+def _fla_kernel(name: str = "chunk_gated_delta_rule"):
+    """flash-linear-attention's `name` from fla.ops.gated_delta_rule (chunk, or fused_recurrent_gated_delta_rule),
+    None where it is not installed."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        return getattr(importlib.import_module("fla.ops.gated_delta_rule"), name)
     except ImportError:
         return None
-    return fla_chunk
-
-
-def _fla_recurrent_kernel():
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
-    except ImportError:
-        return None
-    return fla_recurrent
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tensor]:
@@ -123,7 +118,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tens
     chunked form."""
     if q.shape[1] == 1:
         if (q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and (fla := _fla_recurrent_kernel()) is not None):
+                and (fla := _fla_kernel("fused_recurrent_gated_delta_rule")) is not None):
             init = None if initial_state is None else initial_state.float()
             return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
                        use_qk_l2norm_in_kernel=True)  # grouped value heads natively, as the torch rule

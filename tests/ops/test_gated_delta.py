@@ -378,9 +378,9 @@ def test_one_token_step_equals_the_reference_with_gradients(hk, hv):
 def test_cuda_decode_step_equals_the_reference():
     """A decode step on CUDA (flash-linear-attention's fused recurrent kernel, no autograd) against the torch
     rule on CPU, with grouped value heads and an initial state."""
-    from longstraw.ops.gated_delta import _fla_recurrent_kernel, gated_delta_rule
+    from longstraw.ops.gated_delta import _fla_kernel, gated_delta_rule
 
-    if _fla_recurrent_kernel() is None:
+    if _fla_kernel("fused_recurrent_gated_delta_rule") is None:
         pytest.skip("flash-linear-attention is not installed (pip install -e '.[gpu]')")
     torch.manual_seed(0)
     b, hk, hv, dk, dv = 8, 2, 4, 128, 128
