@@ -2,7 +2,7 @@
 FSDP2 sharding of the parameters (ZeRO-2/3)."""
 
 from .fsdp import full_tensor, is_sharded, local_shard, shard_from_rank0, shard_model
-from .sequence import SequenceParallel, balanced_ranges
+from .sequence import ONE_RANK, SequenceGroup, SequenceParallel, balanced_ranges
 
-__all__ = ["SequenceParallel", "balanced_ranges", "full_tensor", "is_sharded", "local_shard", "shard_from_rank0",
+__all__ = ["ONE_RANK", "SequenceGroup", "SequenceParallel", "balanced_ranges", "full_tensor", "is_sharded", "local_shard", "shard_from_rank0",
            "shard_model"]

@@ -1,4 +1,8 @@
-"""`SequenceParallel`: C ranks of a torch.distributed group that hold one prefix state together.
+"""The group of ranks that hold one prefix state together: `SequenceGroup` (one rank holding all of it, every
+collective the identity) and `SequenceParallel` (C ranks of a torch.distributed group).
+
+The engine, the ops and rollout always take a group and never ask whether it is one rank: the single-rank value
+`ONE_RANK` runs the same code with collectives that do nothing, so there is one code path, not two.
 
 Rank r owns the rows of one contiguous, balanced token range (`ranges`); fixed-size states are replicated. Every
 forward over the state (a prompt chunk, a batch of branches, a decode step) is run by all ranks of the group on
@@ -7,7 +11,8 @@ attends the segment's queries over its own rows and the partial results merge ex
 so every rank holds the same output. In a backward the gradient of a rank's own rows stays on it (dState is
 sharded like the state), and the ranks' shares of the queries' gradient are summed (`sum_`), so that everything
 replicated (the segment's activations, parameters, fixed-size states) gets the same, exact gradient on every
-rank: no parameter gradient needs reducing over the group.
+rank: no parameter gradient needs reducing over the group. What a rank owns and must hand to the others (a
+chunk's dState rows, its boundary states) goes by `share`.
 
 Why this schedule: one primitive serves capture, replay, the exact prompt backward and decoding; all ranks run
 the same collectives in the same order (ZeRO-3 / FSDP gather parameters layer by layer, in lockstep); and at
@@ -43,7 +48,72 @@ def _in_place(t: Tensor, collective) -> Tensor:
     return t.copy_(c)
 
 
-class SequenceParallel:
+class SequenceGroup:
+    """One rank that holds the whole prefix state: the group of size 1. Every collective is the identity, so code
+    written for a group runs unchanged on one process. `SequenceParallel` is the same interface over C ranks."""
+
+    rank, size, dp_rank, dp_size = 0, 1, 0, 1
+    device = torch.device("cpu")  # where the group's own small tensors (checksums, counts, seeds) live
+    bytes_communicated = 0  # payload this rank handed to collectives (for benchmarks)
+
+    def branches(self, count: int) -> range:
+        """The branches of a group of `count` that this rank's sequence-parallel group replays."""
+        if count % self.dp_size:
+            raise ValueError(f"a GRPO group of {count} responses does not split evenly over {self.dp_size} "
+                             f"data-parallel groups; use a group size divisible by {self.dp_size}")
+        per = count // self.dp_size
+        return range(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def ranges(self, length: int) -> list[tuple[int, int]]:
+        """The token range [start, end) of each rank of the group, in rank order."""
+        return balanced_ranges(length, self.size)
+
+    def owner(self, position: int, length: int) -> int:
+        """The rank whose range of a `length`-token state holds `position`."""
+        return next(r for r, (a, b) in enumerate(self.ranges(length)) if a <= position < b)
+
+    def global_rank(self, rank: int) -> int:
+        return rank
+
+    # ---- collectives (the identity on one rank) ------------------------------------------------------------
+    def merge(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """The partial attention results (o [..., d], lse [...]) of all ranks merged by log-sum-exp; a rank with
+        no rows passes lse = -inf. Returns the same (o, lse) on every rank."""
+        return o, lse
+
+    def gather(self, t: Tensor) -> list[Tensor]:
+        """`t` of every rank (same shape on all), in rank order."""
+        return [t]
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """In place: the sum of `t` over the group."""
+        return t
+
+    def broadcast_(self, t: Tensor, src: int) -> Tensor:
+        """In place: `t` of rank `src` (a rank of this group) on every rank."""
+        return t
+
+    def share(self, mine: list[Tensor] | None, like: list[Tensor], owner: int) -> list[Tensor]:
+        """Tensors that rank `owner` holds (`mine` there, None elsewhere) on every rank; `like` gives the other
+        ranks their shapes and dtypes."""
+        return mine
+
+    def dp_sum_(self, t: Tensor) -> Tensor:
+        """In place: the sum of `t` over the data-parallel groups."""
+        return t
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
+        return value
+
+    def check_same(self, ids: Tensor, what: str) -> None:
+        """ValueError on every rank unless every rank passed the same token ids."""
+
+
+ONE_RANK = SequenceGroup()
+
+
+class SequenceParallel(SequenceGroup):
     """The sequence-parallel group (default: the whole world) and the collectives the engine needs of it.
 
     With a data-parallel group `dp` (the ranks that hold the same token range in the other sequence-parallel
@@ -70,23 +140,12 @@ class SequenceParallel:
         names = mesh.mesh_dim_names or ()
         return cls(mesh.get_group(sp), mesh.get_group(dp) if dp in names else None)
 
-    def branches(self, count: int) -> range:
-        """The branches of a group of `count` that this rank's sequence-parallel group replays."""
-        if count % self.dp_size:
-            raise ValueError(f"a GRPO group of {count} responses does not split evenly over {self.dp_size} "
-                             f"data-parallel groups; use a group size divisible by {self.dp_size}")
-        per = count // self.dp_size
-        return range(self.dp_rank * per, (self.dp_rank + 1) * per)
-
     def dp_sum_(self, t: Tensor) -> Tensor:
         """In place: the sum of `t` over the data-parallel groups."""
         if self.dp is None:
             return t
         self.bytes_communicated += t.nelement() * t.element_size()
         return _in_place(t, lambda c: dist.all_reduce(c, group=self.dp))
-
-    def ranges(self, length: int) -> list[tuple[int, int]]:
-        return balanced_ranges(length, self.size)
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -118,6 +177,14 @@ class SequenceParallel:
         """In place: `t` of rank `src` (a rank of this group) on every rank."""
         self.bytes_communicated += t.nelement() * t.element_size()
         return _in_place(t, lambda c: dist.broadcast(c, self.global_rank(src), group=self.group))
+
+    def share(self, mine: list[Tensor] | None, like: list[Tensor], owner: int) -> list[Tensor]:
+        # contiguous on every rank alike, so that a backward fed with them takes the same kernels everywhere
+        # (bitwise equal gradients on all ranks)
+        rows = [t.contiguous() for t in mine] if self.rank == owner else [t.new_empty(t.shape) for t in like]
+        for t in rows:
+            self.broadcast_(t, owner)
+        return rows
 
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
