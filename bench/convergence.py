@@ -28,9 +28,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +37,6 @@ import torch
 from tqdm.auto import tqdm
 
 import longstraw as ls
-import longstraw.engine.backward as engine_backward
 from longstraw.config import load_config
 from longstraw.data import Example, Tokenizer, load_tokenizer
 from longstraw.grpo.rewards import compute_rewards, get_reward
@@ -126,36 +124,19 @@ def grads_of(model: torch.nn.Module) -> Grads:
             for n, p in model.named_parameters()}
 
 
-@contextmanager
-def reading_detached_part(into: Grads) -> Iterator[None]:
-    """While active, an exact-mode `grpo_backward` copies `param.grad` into `into` just before its prompt backward.
-    At that point the gradient holds the replay of the branches alone, i.e. the detached gradient of the same
-    batch; the library runs unchanged (its module-level `prompt_backward` is wrapped, not replaced)."""
-    original = engine_backward.prompt_backward
-
-    def wrapped(model, *args, **kwargs):
-        into.update(grads_of(model))
-        return original(model, *args, **kwargs)
-
-    engine_backward.prompt_backward = wrapped
-    try:
-        yield
-    finally:
-        engine_backward.prompt_backward = original
-
-
-def exact_and_detached(model, prompt, responses, adv, cfg: ls.GRPOConfig) -> tuple[Grads, Grads, float]:
-    """(exact gradient, detached gradient, seconds) of one group, from one exact call; `param.grad` is left as it
-    was before the call."""
+def exact_and_detached(model, state: ls.PrefixState, branches: ls.Branches, run: "RunConfig"
+                       ) -> tuple[Grads, Grads, float]:
+    """(exact gradient, detached gradient, seconds) of one group on its exact-captured state: the replay's
+    gradient is the detached one, and the prompt backward adds what detaching drops. `param.grad` is left as it
+    was before the call; the state's kept graphs are used up."""
     saved = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    detached: Grads = {}
     t0 = time.perf_counter()
-    with reading_detached_part(detached):
-        ls.grpo_backward(model, prompt, responses, adv, mode="exact", config=cfg)
+    dstate = ls.new_dstate(state)
+    ls.replay(model, state, branches, run.grpo, dstate, engine=run.engine)
+    detached = grads_of(model)
+    ls.prompt_backward(model, state, dstate)
     seconds = time.perf_counter() - t0
-    if not detached:
-        raise RuntimeError("exact mode did not run its prompt backward; the detached part was never read")
     exact = grads_of(model)
     for n, p in model.named_parameters():
         p.grad = saved[n]
@@ -235,8 +216,8 @@ class RunConfig:
     eval_every: int = 5
     probe: bool = True  # compute exact and detached gradients of every step's batch
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, grad_clip=1.0, warmup_updates=1))
-    grpo: ls.GRPOConfig = field(default_factory=lambda: ls.GRPOConfig(clip_low=0.2, clip_high=0.28,
-                                                                     prompt_chunk=128))
+    grpo: ls.GRPOConfig = field(default_factory=lambda: ls.GRPOConfig(clip_low=0.2, clip_high=0.28))
+    engine: ls.EngineConfig = field(default_factory=lambda: ls.EngineConfig(prompt_chunk=128))
 
 
 def prompts_of(tok: Tokenizer, examples: list[Example]) -> list[torch.Tensor]:
@@ -244,11 +225,11 @@ def prompts_of(tok: Tokenizer, examples: list[Example]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, tok: Tokenizer, examples: list[Example], spec: TaskSpec, chunk: int) -> dict:
+def evaluate(model, tok: Tokenizer, examples: list[Example], spec: TaskSpec, engine: ls.EngineConfig) -> dict:
     """Greedy answers to prompts never trained on: exact-match accuracy (verifier) and mean reward."""
     acc = rew = 0.0
     for ex, prompt in zip(examples, prompts_of(tok, examples)):
-        state = ls.capture(model, prompt, chunk_size=chunk)
+        state = ls.capture(model, prompt, engine)
         sample = ls.rollout(model, state, n=1, max_new_tokens=spec.max_new_tokens, temperature=0,
                             stop_ids=[tok.eos_id])[0]
         text = tok.decode(sample.tokens.tolist())
@@ -274,14 +255,14 @@ def train_run(model, tok: Tokenizer, pool: list[Example], held_out: list[Example
     for step in bar:
         rec: dict = {"step": step}
         if step % run.eval_every == 0:
-            rec["held_out"] = evaluate(model, tok, held_out, spec, run.grpo.prompt_chunk)
+            rec["held_out"] = evaluate(model, tok, held_out, spec, run.engine)
         rec.update(_train_step(model, tok, pool, prompts, spec, run, step))
         t0 = time.perf_counter()
         rec.update(optimizer_step(model, optimizer, run.optim, step, run.steps))
         rec["seconds"] += time.perf_counter() - t0
         history.append(rec)
         bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", cos=f"{rec.get('cos', float('nan')):.2f}")
-    history.append({"step": run.steps, "held_out": evaluate(model, tok, held_out, spec, run.grpo.prompt_chunk)})
+    history.append({"step": run.steps, "held_out": evaluate(model, tok, held_out, spec, run.engine)})
     return history
 
 
@@ -297,15 +278,16 @@ def _train_step(model, tok: Tokenizer, pool: list[Example], prompts: list[torch.
     vs_probe: list[float] = []  # naive: |N - E| / |E|, detached: |D - D_probe| / |D_probe|, per group
     for g, (ex, prompt) in enumerate(zip(pool, prompts)):
         t0 = time.perf_counter()
-        state = ls.capture(model, prompt, chunk_size=run.grpo.prompt_chunk)
+        # one capture serves the rollout and the mode's gradient (exact mode: with its kept graphs)
+        state = ls.capture(model, prompt, run.engine, exact=run.mode == "exact")
         samples = ls.rollout(model, state, n=run.responses, max_new_tokens=spec.max_new_tokens,
                              temperature=run.temperature, stop_ids=[tok.eos_id],
                              seed=example_seed(run.seed, step, g))
-        del state
         texts = [tok.decode(s.tokens.tolist()) for s in samples]
         rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(texts), texts)
         adv = ls.group_advantages(rewards)
         responses = [s.tokens for s in samples]
+        branches = ls.Branches.group(responses, adv, run.grpo, vocab_size=model.config.vocab_size)
         seconds += time.perf_counter() - t0
         rewards_all += rewards
         accuracy += sum(spec.verify(ex.meta, t) for t in texts)
@@ -315,17 +297,23 @@ def _train_step(model, tok: Tokenizer, pool: list[Example], prompts: list[torch.
         if not bool(adv.abs().gt(0).any()):
             continue  # all answers scored alike: no gradient in any mode
         if run.mode == "exact" or run.probe:
-            exact, detached, t = exact_and_detached(model, prompt, responses, adv, run.grpo)
+            t0 = time.perf_counter()
+            probed = state if run.mode == "exact" else ls.capture(model, prompt, run.engine, exact=True)
+            capture_seconds = time.perf_counter() - t0
+            exact, detached, t = exact_and_detached(model, probed, branches, run)
             add_(exact_sum, exact)
             add_(detached_sum, detached)
             if run.mode == "exact":
                 seconds += t
                 add_grads(model, exact)
                 continue
-            probe_seconds += t
+            probe_seconds += capture_seconds + t
         before = grads_of(model) if run.probe else None
         t0 = time.perf_counter()
-        ls.grpo_backward(model, prompt, responses, adv, mode=run.mode, config=run.grpo)
+        if run.mode == "detached":
+            ls.replay(model, state, branches, run.grpo, engine=run.engine)
+        else:
+            ls.naive_backward(model, prompt, branches, run.grpo)
         seconds += time.perf_counter() - t0
         if before is not None:  # the mode's own gradient against the probe's of the same mode (a check)
             own = {n: p.grad - before[n] for n, p in model.named_parameters()}

@@ -172,7 +172,7 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
     On `pipeline.nproc` N > 1 ranks this flow runs on rank 0 of a torchrun job and drives the others; called
     outside one (a deployment's run, a script), it starts the job, whose rank 0 runs it again."""
     cfg = TrainConfig.model_validate(config)
-    if cfg.pipeline.nproc > 1 and spmd.current_ranks() is None:
+    if cfg.pipeline.nproc > 1 and not spmd.joined():
         return _launch(cfg, progress)
     with RunLock(cfg.run_dir):  # before anything is written: a second run on this directory stops here
         return _train(cfg, progress)

@@ -9,6 +9,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .engine.config import EngineConfig
 from .grpo import GRPOConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -59,6 +60,7 @@ class StepConfig(BaseModel):
     zero_stage: Literal[0, 2, 3] = Field(0, description="in the N-rank run: 2 or 3 shards the parameters and "
                                          "gradients over the ranks (FSDP2, longstraw.parallel.shard_model)")
     grpo: GRPOConfig = GRPOConfig()
+    engine: EngineConfig = EngineConfig()
 
     @model_validator(mode="after")
     def _lengths(self) -> "StepConfig":

@@ -161,10 +161,3 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
     (d / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model, base_model), indent=2, default=str))
     return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
 
-
-def read_adapter_spec(directory: str | Path) -> dict:
-    """The LoRA spec (r, alpha, dropout, target_modules) of an adapter_config.json."""
-    cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
-    return {"r": cfg["r"], "alpha": cfg["lora_alpha"], "dropout": cfg.get("lora_dropout", 0.0),
-            "target_modules": sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str)
-            else cfg["target_modules"]}

@@ -20,8 +20,7 @@ import math
 
 import torch
 
-from .engine.backward import boundary_interval
-from .engine.budget import activation_bytes_per_token
+from .engine import EngineConfig, activation_bytes_per_token, boundary_interval
 from .lora import add_lora, check_lora_targets
 from .models.registry import build, build_model, config_from_hf
 from .state_size import state_size
@@ -117,7 +116,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
     budget = gpu_mem_gb * 1e9
     mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
-    every = boundary_interval(mine, size["fixed_bytes"], int(budget / 8))
+    every = boundary_interval(EngineConfig(prompt_chunk=chunk), mine, size["fixed_bytes"], int(budget))
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
     chunk_act = act * chunk
     branches = max(1, responses // (gpus // c))

@@ -10,7 +10,7 @@ from torch import nn
 
 from .engine.checks import check_state
 from .models.protocol import PrefixLM
-from .parallel import SequenceParallel
+from .parallel import ONE_RANK, SequenceGroup
 from .state import DecodeCache, LayerState, PrefixState, PrefixView, Segment
 
 
@@ -76,7 +76,7 @@ def rollout(
     top_k: int = 0,
     stop_ids: Sequence[int] = (),
     seed: int | None = None,
-    parallel: SequenceParallel | None = None,
+    parallel: SequenceGroup = ONE_RANK,
     stop_check_every: int = 8,
     compile: bool | str = False,
     static_shapes: bool = False,
@@ -90,8 +90,8 @@ def rollout(
     branch's tokens do not depend on the others, and data-parallel groups that each sample a slice of a GRPO group
     (`first_branch`: the slice's first index) together draw what one call would. `temperature == 0` is greedy.
     Sampling never waits for the device, and whether every branch has stopped is asked every `stop_check_every`
-    tokens. With `parallel`, every rank of the group passes its shard of the state and the same arguments (a seed
-    included), and gets the same samples.
+    tokens. Over a `parallel` group, every rank of the group passes its shard of the state and the same arguments
+    (a seed included), and gets the same samples.
 
     `compile`: run each decode step's forward under torch.compile (`compiled_decoder`): True for inductor, or a
     backend's name. The first call of a model pays the compilation (about a minute of CPU); the tokens drawn are
@@ -122,8 +122,8 @@ def rollout(
     forward = compiled_decoder(model, "inductor" if compile is True else compile, static_shapes) if compile else model
     device = state.prompt_ids.device
     seed = int(torch.seed()) if seed is None else seed
-    if parallel is not None:  # one seed for the whole group, so that every rank samples the same tokens
-        seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64, device=parallel.device), 0))
+    # one seed for the whole group, so that every rank samples the same tokens
+    seed = int(parallel.broadcast_(torch.tensor([seed % 2**63], dtype=torch.int64, device=parallel.device), 0))
     gens = [torch.Generator(device=device).manual_seed(seed + first_branch + i) for i in range(n)]
     cache = DecodeCache(model.empty_cache(n, max_new_tokens, p.dtype, p.device))
     # per-token layers: the shared state itself; fixed-size ones: a per-branch view that each step replaces
@@ -173,13 +173,11 @@ def _dense(states: list[LayerState]) -> list[LayerState]:
     return [s.map(torch.Tensor.contiguous) if s.token_axis is None else s for s in states]
 
 
-def _all_stopped(done: torch.Tensor, parallel: SequenceParallel | None) -> bool:
+def _all_stopped(done: torch.Tensor, parallel: SequenceGroup) -> bool:
     """Whether every branch has stopped, in the other data-parallel groups' slices too: all groups decode the same
     number of steps, because under ZeRO-3 every step's forward gathers each layer's parameters from every rank."""
     left = (~done).sum().reshape(1)
-    if parallel is not None:
-        parallel.dp_sum_(left)
-    return int(left) == 0
+    return int(parallel.dp_sum_(left)) == 0
 
 
 def _samples(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor) -> list[Sample]:

@@ -1,12 +1,22 @@
-"""A prefix state sharded over a sequence-parallel group, stored as one zarr group per rank.
+"""Prefix states, stored as one zarr group per sequence-parallel rank: the one state format, a single process's
+state included (a one-shard state: `save_state` / `load_state`).
 
 Layout at `url` (a local path or any fsspec URL):
 
-    shard-000/, shard-001/, ...   rank r's part, a committed zarr group as `store.save_state` writes one
-                                  (its own manifest.json with the crc32c of every file): the rows [a, b) of each
-                                  per-token layer, the whole prompt's fixed-size layers, prompt_ids, and the exact
-                                  mode's boundary states of its own chunks (`boundaries/{chunk}/{layer}/{field}`)
+    shard-000/, shard-001/, ...   rank r's part, a committed zarr group (`store.py`: its own manifest.json with the
+                                  crc32c of every file): the rows [a, b) of each per-token layer, the whole
+                                  prompt's fixed-size layers, prompt_ids, and the exact mode's boundary states of its
+                                  own chunks (`boundaries/{chunk}/{layer}/{field}`)
     manifest.json                 written last, by rank 0: the commit marker
+
+A shard group holds
+
+    prompt_ids                           [P] int64, one chunk (always loaded whole)
+    layers/{i}/k, layers/{i}/v           attention: [kv_heads, b - a, head_dim]
+    layers/{i}/kv, layers/{i}/index_k    MLA latent [b - a, kv_lora_rank + rope_dim], DSA indexer key [b - a, dim]
+    layers/{i}/conv, layers/{i}/ssm      Gated DeltaNet: fixed size, one chunk each
+
+with the per-token arrays chunked along the token axis by `shard_tokens` (`store._write_tensor`).
 
 Why: each shard has exactly one writer, the rank that owns those tokens, so the ranks write in parallel and no
 rank ever holds (or sends) another's rows. A shard is committed atomically on its own; the whole state exists
@@ -14,8 +24,8 @@ only once rank 0 has gathered every owner's record and written the top manifest.
 before the owners rewrite their shards, so a capture killed halfway never leaves an old top manifest pointing at
 half-rewritten shards. The top manifest's sha256 (`store.manifest_digest`) is what a stage hands on: it covers
 each shard manifest's sha256, which covers each file's crc32c, so one digest pins every byte.
-Boundary states are stored (unlike `store.save_state`) so that a loaded shard can run exact mode's prompt
-backward without recapturing the prompt.
+Boundary states are stored so that a loaded shard can run exact mode's prompt backward without recapturing the
+prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 import zarr
 from torch import nn
 
-from .files import CorruptArtefact
+from .files import CorruptArtefact, atomic_output
 from .state import STATE_KINDS, LayerState, PrefixState
 from .store import (MANIFEST, _ChecksumStore, _dtype, _to_torch, _write_committed, _write_manifest, _write_tensor,
                     _zarr_store, manifest_digest, read_manifest)
@@ -88,6 +98,13 @@ def commit_sharded_state(url: str, shards: list[dict], *, state: PrefixState, we
     """Rank 0, once every owner's `save_state_shard` returned: check that their ranges tile [0, state.length) in
     rank order, then write the top manifest, the commit marker. Returns it (`manifest_digest` of it is the hand-over
     digest)."""
+    manifest = _top_manifest(shards, state, weights_version, extra)
+    fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    _write_manifest(fs, path, json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def _top_manifest(shards: list[dict], state: PrefixState, weights_version: str, extra: dict | None) -> dict:
     end = 0
     for r, record in enumerate(shards):
         a, b = record["range"]
@@ -98,12 +115,34 @@ def commit_sharded_state(url: str, shards: list[dict], *, state: PrefixState, we
     if end != state.length or not shards:
         raise ValueError(f"shard records cover [0, {end}), not the state's [0, {state.length})")
     name, version = SHARDED_FORMAT
-    manifest = {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
-                "weights_version": weights_version, "length": state.length,
-                "chunks": [list(c) for c in state.chunks], "shards": shards, "extra": extra or {}}
-    fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
-    _write_manifest(fs, path, json.dumps(manifest, indent=1).encode())
-    return manifest
+    return {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
+            "weights_version": weights_version, "length": state.length,
+            "chunks": [list(c) for c in state.chunks], "shards": shards, "extra": extra or {}}
+
+
+def save_state(state: PrefixState, url: str, *, weights_version: str, shard_tokens: int = 65536,
+               storage_options: dict | None = None, extra: dict | None = None) -> dict:
+    """Store a single process's `state` (all its rows: `shard` None) at `url` as a one-shard state, and return its
+    top manifest (with `extra`, JSON-able). `load_state`, or `load_state_shard(url, 0, 1, ...)`, reads it back.
+
+    The whole state (shard-000 and the top manifest) is written under a temporary sibling and swapped in at `url`
+    as `store._write_committed` swaps a group: a writer that dies leaves the state committed there before, if any,
+    readable (or nothing committed), never a mix of the two.
+    """
+    if state.shard is not None:
+        raise ValueError(f"this prefix state is one rank's shard (tokens {state.shard}); each rank stores its own "
+                         "with save_state_shard, and rank 0 commits them with commit_sharded_state")
+    fs, final = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
+    top: dict = {}
+
+    def commit(root: str) -> None:
+        _write_manifest(fs, root, json.dumps(top, indent=1).encode())
+
+    with atomic_output(final, fs=fs, commit=commit) as tmp:
+        record = save_state_shard(state, fs.unstrip_protocol(tmp), 0, weights_version=weights_version,
+                                  shard_tokens=shard_tokens, storage_options=storage_options)
+        top.update(_top_manifest([record], state, weights_version, extra))
+    return top
 
 
 def read_sharded_manifest(url: str, storage_options: dict | None = None, digest: str | None = None) -> dict:
@@ -165,3 +204,13 @@ def load_state_shard(url: str, rank: int, ranks: int, *, model: nn.Module, weigh
     chunks = [tuple(c) for c in manifest["chunks"]]
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
                        shard=(a, b) if ranks > 1 else None, boundary_every=manifest["boundary_every"])
+
+
+def load_state(url: str, *, model: nn.Module, weights_version: str, storage_options: dict | None = None,
+               digest: str | None = None) -> PrefixState:
+    """The committed one-shard state at `url` (`save_state`), for one process: `load_state_shard(url, 0, 1, ...)`,
+    with `shard` None (all rows). Refuses (ValueError) a state of another architecture or other weights, or one
+    stored by more than one rank; CorruptArtefact for any file or manifest that is not what was written (or, with
+    `digest`, a top manifest other than that `manifest_digest`)."""
+    return load_state_shard(url, 0, 1, model=model, weights_version=weights_version,
+                            storage_options=storage_options, digest=digest)

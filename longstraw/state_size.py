@@ -7,7 +7,7 @@ from collections import OrderedDict
 import torch
 
 from .config import torch_dtype
-from .engine.backward import sqrt_interval
+from .engine import sqrt_interval
 from .models.registry import build
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -18,10 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import StepConfig, torch_dtype
-from .engine.backward import grpo_backward
+from .engine import grpo_backward
 from .memory import PeakMeter
 from .models import build_model, load_model
-from .parallel import SequenceParallel, full_tensor, local_shard, shard_model
+from .parallel import ONE_RANK, SequenceGroup, SequenceParallel, full_tensor, local_shard, shard_model
+from .parallel.launch import torchrun
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -34,25 +33,24 @@ def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[tor
     return prompt, responses, advantages - advantages.mean()
 
 
-def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: SequenceParallel | None = None
-           ) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: SequenceGroup = ONE_RANK,
+           device: str = "cpu", zero_stage: int = 0) -> tuple[list[dict], dict[str, torch.Tensor]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dtype = torch_dtype(cfg.dtype)
     torch.manual_seed(cfg.seed)
     spec = cfg.model
-    device = f"cuda:{torch.cuda.current_device()}" if parallel is not None and torch.cuda.is_available() else "cpu"
     model = load_model(spec.path, dtype=dtype, device=device) if spec.path else build_model(spec.random, dtype, device)
-    if parallel is not None and cfg.zero_stage:
-        shard_model(model, cfg.zero_stage, parallel)
+    if zero_stage:
+        shard_model(model, zero_stage, parallel)
     param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
     prompt, responses, adv = synthetic_group(cfg, model.config.vocab_size)
     results, grads = [], {}
     for mode in modes:
         model.zero_grad(set_to_none=True)
         with PeakMeter(torch.device(device)) as meter:
-            stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, progress=progress,
-                                  parallel=parallel)
+            stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, engine=cfg.engine,
+                                  progress=progress, parallel=parallel)
         stats["peak_rss_bytes"], stats["param_bytes"] = meter.peak_bytes, param_bytes
         grads[mode] = torch.cat([full_tensor(p.grad).flatten().double().cpu() for p in model.parameters() if p.grad is not None])
         results.append(stats)
@@ -87,7 +85,8 @@ def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(minutes=10))
     sp = SequenceParallel()
-    results, grads = _modes(cfg, [m for m in cfg.modes if m != "naive"], False, sp)
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    results, grads = _modes(cfg, [m for m in cfg.modes if m != "naive"], False, sp, device, cfg.zero_stage)
     for r in results:
         mine = torch.tensor([r[k] for k in PER_RANK.values()], dtype=torch.int64, device=sp.device)
         per_rank = torch.stack(sp.gather(mine)).cpu()
@@ -110,11 +109,8 @@ def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool
     one, ref = _modes(cfg, cfg.modes, progress)
     _errors(one, ref, lambda _: ref.get("naive"), "vs_naive")
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "longstraw.cli", "step", "--config", config_path, "--zero", str(cfg.zero_stage),
-               "--sharded-worker", d]
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // nproc)
-        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
+        done = torchrun("longstraw.cli", ["step", "--config", config_path, "--zero", str(cfg.zero_stage),
+                                          "--sharded-worker", d], nproc, cfg.threads, capture_output=True, text=True)
         if done.returncode or not Path(d, "results.json").is_file():
             raise RuntimeError(f"the {nproc}-rank step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         sharded = json.loads(Path(d, "results.json").read_text())

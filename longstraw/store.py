@@ -1,29 +1,25 @@
-"""Prefix states in zarr v3 over fsspec: sharded along the token axis, checksummed, committed atomically.
+"""Checksummed zarr v3 groups over fsspec, committed atomically: what prefix states and rollouts are stored as.
 
-Layout at `url` (a local path or any fsspec URL, e.g. ``s3://bucket/run/step-3/state`` with `storage_options`):
+A group at `url` (a local path or any fsspec URL, e.g. ``s3://bucket/run/step-3/state`` with `storage_options`) is
+written under a temporary sibling name, moved into place, and committed by its `manifest.json`, written last: a
+group without it does not exist. The manifest holds the group's format and version, what its writer recorded, and
+`checksums`: the crc32c of every file written (the zarr metadata files and every chunk file).
 
-    zarr.json                            root group (zarr v3)
-    prompt_ids                           [P] int64, one chunk (always loaded whole)
-    layers/{i}/k, layers/{i}/v           attention: [kv_heads, N, head_dim]
-    layers/{i}/kv, layers/{i}/index_k    MLA latent [N, kv_lora_rank + rope_dim], DSA indexer key [N, index_head_dim]
-    layers/{i}/conv, layers/{i}/ssm      Gated DeltaNet: fixed size, one chunk each
-    manifest.json                        written last, the commit marker: a state without it does not exist
-
-Per-token arrays are chunked along the token axis by `shard_tokens`; each chunk file is a *shard*, written whole
-by one call and checksummed (crc32c of the bytes handed to storage) in the manifest, with the zarr metadata files.
-crc32c, not sha256: it guards against corruption (torn writes, bit rot, truncation), not forgery, and it is 5x
-faster (`bench/hashes.py`: 4.7 against 0.96 GB/s on one core), which at 2.1M tokens is 4 s instead of 18 s for
-each rank's 17 GB shard of a 27B hybrid's state, on every read. What a stage hands to the next is
-`manifest_digest`, a sha256 over the whole manifest (these checksums included).
+Per-token arrays (token axis -2) are chunked along the token axis by `shard_tokens`; each chunk file is a *shard*,
+written whole by one call. crc32c, not sha256: it guards against corruption (torn writes, bit rot, truncation), not
+forgery, and it is 5x faster (`bench/hashes.py`: 4.7 against 0.96 GB/s on one core), which at 2.1M tokens is 4 s
+instead of 18 s for each rank's 17 GB shard of a 27B hybrid's state, on every read. What a stage hands to the next
+is `manifest_digest`, a sha256 over the whole manifest (these checksums included).
 bf16 (and fp8) tensors are stored as their unsigned-integer view, with the torch dtype in the array's attribute
 `torch_dtype`; other dtypes natively. Chunks are zstd-compressed (zarr's default), which also makes the padding of
-the last, partial shard cost next to nothing. The exact mode's boundary states (`PrefixState.boundaries`) are
-transient and not stored.
+the last, partial shard cost next to nothing.
+
+Prefix states (one zarr group per sequence-parallel rank, one rank for a single process) are `sharded_state.py`;
+rollouts are below.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 
@@ -33,32 +29,14 @@ import numpy as np
 import torch
 import zarr
 from fsspec.implementations.local import LocalFileSystem
-from torch import nn
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from .files import CorruptArtefact, atomic_output, sha256_bytes, write_bytes
-from .state import STATE_KINDS, LayerState, PrefixState
 
-FORMAT = "longstraw.prefix_state"
-FORMAT_VERSION = 2  # 2: shard checksums crc32c (1: sha256)
 MANIFEST = "manifest.json"
 _UINT_VIEW = {torch.bfloat16: torch.uint16}
 _UINT_VIEW.update({getattr(torch, n): torch.uint8 for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)})
-
-
-def weights_version(model: nn.Module) -> str:
-    """Content hash of the model's weights: sha256 over each parameter's name, shape, dtype and bytes.
-
-    It reads every weight once (copying GPU parameters to the host one at a time): seconds for a large model, so
-    compute it once per weights update and pass the string around, not once per prompt.
-    """
-    h = hashlib.sha256()  # over tensors in memory (no file to hash); the same sha256 as everything stored
-    for name, p in model.named_parameters():
-        t = p.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -74,7 +52,7 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r} in stored prefix state")
+        raise ValueError(f"unknown torch dtype {name!r} in a stored array")
     return dtype
 
 
@@ -165,56 +143,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save_state(
-    state: PrefixState,
-    url: str,
-    *,
-    weights_version: str,
-    shard_tokens: int = 65536,
-    storage_options: dict | None = None,
-    extra: dict | None = None,
-) -> dict:
-    """Store `state` at `url` and return its manifest (with `extra`, JSON-able, e.g. the prompt's example: what
-    later stages would otherwise regenerate).
-
-    Everything is written under a temporary sibling name (`.{name}.tmp-*`), moved into place, and only then
-    `manifest.json` is written there as the commit marker. A writer that dies leaves nothing committed at `url`.
-    A state already committed there stays readable while the new one is written beside it; then it is moved
-    aside (`{url}.old-*`), the new one moved in and committed, and the old one deleted. A writer killed inside
-    that swap (two renames and one small write) leaves the previous state, committed, at `{url}.old-*`; one that
-    fails there with an exception puts it back. On object stores a "move" is copy-and-delete: still never a
-    committed partial state, but the swap takes longer. One writer per `url` at a time.
-    """
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
-
-    def write(root: zarr.Group) -> dict:
-        prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
-        layers = []
-        for i, layer in enumerate(state.layers):
-            group = root.require_group("layers").require_group(str(i))
-            shard = None if layer.token_axis is None else shard_tokens  # fixed-size states: one chunk
-            arrays = {name: _write_tensor(group, name, t, shard) for name, t in layer.named_tensors().items()}
-            layers.append({"kind": layer.kind, "arrays": arrays})
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "model_fingerprint": state.model_fingerprint,
-            "weights_version": weights_version,
-            "shard_tokens": shard_tokens,
-            "length": state.length,
-            "prompt_ids": prompt,
-            "chunks": [list(c) for c in state.chunks],
-            "layers": layers,
-            "extra": extra or {},
-        }
-
-    return _write_committed(url, storage_options, write)
-
-
 def _write_committed(url: str, storage_options: dict | None, write) -> dict:
     """Run `write(root_group) -> manifest` into a temporary sibling, swap it in at `url`, and commit the manifest
-    (with the checksums of every file written) as the last step, inside the swap (`files.atomic_output`)."""
+    (with the checksums of every file written) as the last step, inside the swap (`files.atomic_output`).
+
+    Everything is written under `.{name}.tmp-*`, moved into place, and only then `manifest.json` is written there as
+    the commit marker. A writer that dies leaves nothing committed at `url`. A group already committed there stays
+    readable while the new one is written beside it; then it is moved aside (`{url}.old-*`), the new one moved in
+    and committed, and the old one deleted. A writer killed inside that swap (two renames and one small write)
+    leaves the previous group, committed, at `{url}.old-*`; one that fails there with an exception puts it back. On
+    object stores a "move" is copy-and-delete: still never a committed partial group, but the swap takes longer.
+    One writer per `url` at a time.
+    """
     fs, final = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
     sums: dict[str, str] = {}
     out: dict = {}
@@ -240,9 +180,10 @@ def manifest_digest(manifest: dict) -> str:
     return sha256_bytes(json.dumps(manifest, sort_keys=True).encode())
 
 
-def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str, int] = (FORMAT, FORMAT_VERSION),
-                  what: str = "prefix state", digest: str | None = None) -> dict:
-    """The manifest of the committed state at `url`; ValueError if there is none (never committed, or killed).
+def read_manifest(url: str, storage_options: dict | None, fmt: tuple[str, int], what: str,
+                  digest: str | None = None) -> dict:
+    """The manifest of the committed `what` at `url` in format `fmt` (name, version); ValueError if there is none
+    (never committed, or killed) or it has another format.
     With `digest` (a `manifest_digest` handed on by the stage that wrote it), CorruptArtefact unless it matches."""
     url = url.rstrip("/")
     name, version = fmt
@@ -262,63 +203,6 @@ def read_manifest(url: str, storage_options: dict | None = None, fmt: tuple[str,
         raise CorruptArtefact(f"{what} at {url} is not the one this stage was given (its manifest changed); it is "
                               "recomputed on the next attempt", url)
     return manifest
-
-
-def load_state(
-    url: str,
-    *,
-    model: nn.Module,
-    weights_version: str,
-    token_range: tuple[int, int] | None = None,
-    storage_options: dict | None = None,
-    digest: str | None = None,
-) -> PrefixState:
-    """Load the committed state at `url` for `model` (whose weights have `weights_version`), on the model's device.
-
-    Refuses (ValueError) a state of another architecture or other weights, and any shard whose checksum differs.
-    `token_range=(a, b)` reads only the shards holding positions [a, b) of the per-token tensors, which then hold
-    those positions (index 0 = position a); recurrent states (the state after the whole prompt), `prompt_ids` and
-    `chunks` are always the whole prompt's. Such a partial state is a sequence shard, not something to `score` on.
-    `digest`: the manifest must be the one with this `manifest_digest` (see `read_manifest`).
-    """
-    url = url.rstrip("/")
-    manifest = read_manifest(url, storage_options, digest=digest)
-    if manifest["model_fingerprint"] != model.config.fingerprint:
-        raise ValueError(
-            f"prefix state at {url} was captured with another model (architecture fingerprint "
-            f"{manifest['model_fingerprint']} != this model's {model.config.fingerprint})"
-        )
-    if manifest["weights_version"] != weights_version:
-        raise ValueError(
-            f"prefix state at {url} was captured with other weights (weights_version "
-            f"{manifest['weights_version']} != {weights_version})"
-        )
-    n = manifest["length"]
-    a, b = (0, n) if token_range is None else token_range
-    if not 0 <= a <= b <= n:
-        raise ValueError(f"token_range {token_range} is outside the stored state's [0, {n})")
-    store = _ChecksumStore(_zarr_store(url, storage_options, read_only=True), manifest["checksums"], url, verify=True)
-    root = zarr.open_group(store, mode="r", zarr_format=3)
-    device = next(model.parameters()).device
-
-    def read(name: str, spec: dict, index: tuple) -> torch.Tensor:
-        array = root[name]
-        dtype = _dtype(spec["dtype"])
-        if list(array.shape) != spec["shape"] or array.attrs.get("torch_dtype") != spec["dtype"]:
-            raise ValueError(f"prefix state at {url}: array {name} does not match the manifest")
-        return _to_torch(array[index], dtype, device)
-
-    prompt_ids = read("prompt_ids", manifest["prompt_ids"], (...,))
-    layers: list[LayerState] = []
-    for i, spec in enumerate(manifest["layers"]):
-        if spec["kind"] not in STATE_KINDS:
-            raise ValueError(f"prefix state at {url}: layer {i} has unknown state kind {spec['kind']!r}; known: "
-                             f"{', '.join(STATE_KINDS)}")
-        kind = STATE_KINDS[spec["kind"]]
-        index = (...,) if kind.token_axis is None else (..., slice(a, b), slice(None))
-        layers.append(kind.from_tensors({f: read(f"layers/{i}/{f}", s, index) for f, s in spec["arrays"].items()}))
-    chunks = [tuple(c) for c in manifest["chunks"]]
-    return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"])
 
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> 
             tags["branch"] = params["branches"][0][0]
         with tracking.stage_run(cfg, parent, name, tags) as record:
             # looked up at call time: tests may wrap the library function
-            out = (_driver().call(fn.__name__, **params) if on_ranks
+            out = (_driver().call(fn, **params) if on_ranks
                    else measured(getattr(lib, fn.__name__), cfg, **params))
             record(out)
         return out

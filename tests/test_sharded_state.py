@@ -18,9 +18,9 @@ from longstraw.files import CorruptArtefact
 from longstraw.grpo import token_weights
 from longstraw.parallel import SequenceParallel, balanced_ranges
 from longstraw.parallel.objects import gather_json
-from longstraw.sharded_state import (commit_sharded_state, load_state_shard, read_sharded_manifest,
-                                     save_state_shard, shard_url, uncommit)
-from longstraw.store import manifest_digest, weights_version
+from longstraw.sharded_state import (commit_sharded_state, load_state, load_state_shard, read_sharded_manifest,
+                                     save_state, save_state_shard, shard_url, uncommit)
+from longstraw.store import manifest_digest
 from tests.conftest import flat_grad, rel_err, tiny_model
 from tests.parallel.launch import run_ranks
 
@@ -29,6 +29,7 @@ CHUNK = 8
 EVERY = 2
 LENGTHS = (5, 2, 7)
 ADV = [1.0, -0.3, -0.7]
+WV = "weights-0"  # the pipeline names weights by a lineage id: any string here
 
 
 def group():
@@ -93,7 +94,7 @@ def test_one_shard_round_trip_is_bitwise_with_boundaries(tmp_path, arch, dtype):
     assert sorted(state.boundaries) == [0, 2, 4] and state.boundary_every == EVERY
     if arch == "qwen3_5":  # the Gated DeltaNet layers: 6 of 8 keep a boundary state
         assert all(len(b) == 6 for b in state.boundaries.values())
-    wv = weights_version(model)
+    wv = WV
     url = str(tmp_path / "state")
     top = save_one(state, url, wv)
     assert read_sharded_manifest(url) == top and top["extra"] == {"step": 3}
@@ -114,7 +115,7 @@ def test_exact_prompt_backward_from_stored_boundaries_equals_naive(tmp_path, arc
     want = naive_grad(model, prompt, responses)
     state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
     if source == "loaded":
-        wv = weights_version(model)
+        wv = WV
         save_one(state, str(tmp_path / "state"), wv)
         state = load_state_shard(str(tmp_path / "state"), 0, 1, model=model, weights_version=wv)
     assert sorted(state.boundaries) == [0, 2, 4]
@@ -123,12 +124,83 @@ def test_exact_prompt_backward_from_stored_boundaries_equals_naive(tmp_path, arc
     assert rel_err(branches, want) > 1e-3  # the prompt backward is what closes the gap
 
 
+def test_save_state_is_the_one_shard_state(tmp_path):
+    """A single process's `save_state` / `load_state` write and read exactly what rank 0 of 1 does (boundaries
+    included), and the loaded state holds all rows (`shard` None): the one-process engine takes it as is."""
+    model = tiny_model("qwen3_5")
+    prompt, responses = group()
+    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    assert state.shard is None
+    one, ranked = str(tmp_path / "one"), str(tmp_path / "ranked")
+    top = save_state(state, one, weights_version=WV, shard_tokens=16, extra={"step": 3})
+    assert top == save_one(state, ranked, WV) == read_sharded_manifest(one)  # rank 0 of 1 wrote range [0, 39)
+    assert [(s["rank"], s["range"]) for s in top["shards"]] == [(0, [0, PROMPT - 1])]
+    assert sorted(p.name for p in Path(one).iterdir()) == ["manifest.json", "shard-000"]
+    for url in (one, ranked):
+        for loaded in (load_state(url, model=model, weights_version=WV, digest=manifest_digest(top)),
+                       load_state_shard(url, 0, 1, model=model, weights_version=WV)):
+            assert loaded.shard is None
+            assert_same_state(state, loaded)
+    for a, b in zip(ls.score(model, state, responses), ls.score(model, loaded, responses)):
+        assert torch.equal(a, b)
+    with pytest.raises(CorruptArtefact):
+        load_state(one, model=model, weights_version=WV, digest="0" * 64)
+
+
+def rows_of(state: ls.PrefixState, a: int, b: int) -> ls.PrefixState:
+    """The part [a, b) of a one-process state that a sequence-parallel rank holds (its boundaries left out)."""
+    layers = [s if s.token_axis is None else
+              type(s).from_tensors({n: t[..., a:b, :] for n, t in s.named_tensors().items()}) for s in state.layers]
+    return ls.PrefixState(layers, state.prompt_ids, state.chunks, state.model_fingerprint, shard=(a, b))
+
+
+def test_each_rank_reads_only_its_own_shard(tmp_path, monkeypatch):
+    """Rank r of N reads shard-00r only (its rows, no other rank's file), so a corrupted file of another rank's
+    shard does not stop it; its own does."""
+    from zarr.storage import LocalStore
+
+    model = tiny_model("qwen3_5")
+    prompt, _ = group()
+    state = ls.capture(model, prompt, CHUNK)
+    url = str(tmp_path / "state")
+    ranges = balanced_ranges(PROMPT - 1, 3)
+    records = [save_state_shard(rows_of(state, a, b), url, r, weights_version=WV, shard_tokens=4)
+               for r, (a, b) in enumerate(ranges)]
+    commit_sharded_state(url, records, state=state, weights_version=WV)
+    read: list[str] = []
+    real_get = LocalStore.get
+
+    async def counting_get(self, key, *args, **kwargs):
+        read.append(f"{Path(str(self.root)).name}/{key}")
+        return await real_get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get", counting_get)
+    for r, (a, b) in enumerate(ranges):
+        read.clear()
+        part = load_state_shard(url, r, 3, model=model, weights_version=WV)
+        assert {k.split("/")[0] for k in read} == {f"shard-{r:03d}"}
+        assert part.shard == (a, b) and torch.equal(part.prompt_ids, state.prompt_ids)
+        for x, y in zip(part.layers, state.layers):
+            for n, t in x.named_tensors().items():
+                want = getattr(y, n) if y.token_axis is None else getattr(y, n)[..., a:b, :]
+                assert torch.equal(t, want), (r, n)
+    monkeypatch.undo()
+    shard0 = Path(shard_url(url, 0))
+    key = next(k for k in json.loads((shard0 / "manifest.json").read_text())["checksums"] if "/k/c/" in k)
+    data = bytearray((shard0 / key).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (shard0 / key).write_bytes(bytes(data))
+    assert load_state_shard(url, 1, 3, model=model, weights_version=WV).shard == ranges[1]
+    with pytest.raises(CorruptArtefact, match=f"{key}.*corrupted"):
+        load_state_shard(url, 0, 3, model=model, weights_version=WV)
+
+
 def two_ranks(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     """Each rank captures its shard, writes it, rank 0 commits; each loads its own back and runs exact mode."""
     sp = SequenceParallel()
     model = tiny_model("qwen3_5", dtype=torch.float64)
     prompt, responses = group()
-    wv = weights_version(model)
+    wv = WV
     state = ls.capture(model, prompt, CHUNK, parallel=sp, boundary_every=EVERY)
     if rank == 0:
         uncommit(root)
@@ -179,7 +251,7 @@ def stored(tmp_path):
     model = tiny_model("qwen3_5")
     prompt, _ = group()
     state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
-    wv = weights_version(model)
+    wv = WV
     url = str(tmp_path / "state")
     return model, state, wv, url, save_one(state, url, wv)
 
@@ -240,7 +312,7 @@ def test_other_model_or_weights_are_refused(stored):
     with pytest.raises(ValueError, match="another model"):
         load_state_shard(url, 0, 1, model=tiny_model("qwen3"), weights_version=wv)
     with pytest.raises(ValueError, match="other weights"):
-        load_state_shard(url, 0, 1, model=model, weights_version=weights_version(tiny_model("qwen3_5", seed=1)))
+        load_state_shard(url, 0, 1, model=model, weights_version="weights-1")
 
 
 def test_commit_refuses_records_that_do_not_tile_the_prompt(stored):

@@ -1,24 +1,29 @@
-"""Prefix-state store: bitwise round trips, checksums, model/weights checks, atomic commits, token ranges."""
+"""The store: a single process's prefix state (a one-shard state, `sharded_state.save_state` / `load_state`) and
+rollouts. Bitwise round trips, checksums, model/weights checks, atomic commits (a killed writer leaves the previous
+state readable). Loading one rank's part of an N-rank state is tests/test_sharded_state.py."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
 import torch
 import zarr
-from zarr.storage import LocalStore
 
 import longstraw as ls
-from longstraw import store
-from longstraw.state import AttentionState, LatentState, RecurrentState
-from longstraw.store import load_state, read_manifest, save_state, weights_version
+from longstraw import sharded_state, store
+from longstraw.files import CorruptArtefact
+from longstraw.sharded_state import load_state, read_sharded_manifest, save_state, shard_url
+from longstraw.state import LatentState, RecurrentState
+from longstraw.store import manifest_digest
 from tests.conftest import GLM, tiny_model
 
 ARCHS = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
 PROMPT = 40  # state of 39 tokens: 5 shards of 8
+WV = "weights-0"  # what the pipeline names the weights by (any string)
 
 
 def model_for(arch: str, dtype: torch.dtype = torch.float32):
@@ -31,7 +36,11 @@ def model_for(arch: str, dtype: torch.dtype = torch.float32):
 def captured(arch: str, dtype: torch.dtype = torch.float32):
     model = model_for(arch, dtype)
     state = ls.capture(model, torch.randint(0, 97, (PROMPT,)), chunk_size=16)
-    return model, state, weights_version(model)
+    return model, state, WV
+
+
+def shard_manifest(url) -> dict:
+    return json.loads((Path(shard_url(str(url), 0)) / "manifest.json").read_text())
 
 
 def assert_same(a: ls.PrefixState, b: ls.PrefixState) -> None:
@@ -48,18 +57,23 @@ def assert_same(a: ls.PrefixState, b: ls.PrefixState) -> None:
 def test_round_trip_is_bitwise_and_scores_identically(tmp_path, arch, dtype):
     model, state, wv = captured(arch, dtype)
     url = str(tmp_path / "state")
-    manifest = save_state(state, url, weights_version=wv, shard_tokens=16)
-    loaded = load_state(url, model=model, weights_version=wv)
+    top = save_state(state, url, weights_version=wv, shard_tokens=16, extra={"step": 3})
+    loaded = load_state(url, model=model, weights_version=wv, digest=manifest_digest(top))
     assert_same(state, loaded)
+    assert loaded.shard is None  # all rows: the engine's one-process path takes it as is
+    assert read_sharded_manifest(url) == top and top["extra"] == {"step": 3}
+    assert [(s["rank"], s["range"]) for s in top["shards"]] == [(0, [0, PROMPT - 1])]
+    manifest = shard_manifest(url)
 
     kinds = {"qwen3": {"attention"}, "qwen3_5_text": {"attention", "recurrent"}, "glm_moe_dsa": {"latent"}}[arch]
     assert {layer["kind"] for layer in manifest["layers"]} == kinds
-    assert manifest["weights_version"] == wv and manifest["model_fingerprint"] == model.config.fingerprint
+    for m in (top, manifest):
+        assert m["weights_version"] == wv and m["model_fingerprint"] == model.config.fingerprint
     if arch == "glm_moe_dsa":  # the DSA indexer keys are stored with the latents
         assert any("index_k" in layer["arrays"] for layer in manifest["layers"])
         assert any(isinstance(s, LatentState) and s.index_k is not None for s in loaded.layers)
     # bf16 is stored as its uint16 view, with the torch dtype beside it; the fp32 delta-rule state stays fp32
-    root = zarr.open_group(url, mode="r", zarr_format=3)
+    root = zarr.open_group(shard_url(url, 0), mode="r", zarr_format=3)
     i, field = next((i, f) for i, s in enumerate(manifest["layers"]) for f in s["arrays"] if s["kind"] != "recurrent")
     array = root[f"layers/{i}/{field}"]
     assert (str(array.dtype), array.attrs["torch_dtype"]) == (("uint16", "bfloat16") if dtype == torch.bfloat16 else ("float32", "float32"))
@@ -73,12 +87,16 @@ def test_round_trip_is_bitwise_and_scores_identically(tmp_path, arch, dtype):
 def test_manifest_lists_every_shard_with_its_checksum(tmp_path):
     model, state, wv = captured("qwen3")
     url = tmp_path / "state"
-    manifest = save_state(state, str(url), weights_version=wv, shard_tokens=8)
+    top = save_state(state, str(url), weights_version=wv, shard_tokens=8)
+    manifest, group = shard_manifest(url), url / "shard-000"
     shards = {k for k in manifest["checksums"] if "/c/" in k}
-    assert shards == {p.relative_to(url).as_posix() for p in url.rglob("*") if p.is_file() and "/c/" in p.as_posix()}
+    assert shards == {p.relative_to(group).as_posix() for p in group.rglob("*") if p.is_file() and "/c/" in str(p)}
     assert len([k for k in shards if k.startswith("layers/0/k/")]) == 5  # 39 tokens / 8 per shard
+    assert manifest["shard_tokens"] == 8 and manifest["length"] == PROMPT - 1 and manifest["range"] == [0, PROMPT - 1]
     on_disk = json.loads((url / "manifest.json").read_text())
-    assert on_disk == manifest and on_disk["shard_tokens"] == 8 and on_disk["length"] == PROMPT - 1
+    assert on_disk == top and on_disk["length"] == PROMPT - 1
+    assert top["shards"][0]["sha256"] == manifest_digest(manifest)  # the top manifest pins the shard's
+    assert sorted(p.name for p in url.iterdir()) == ["manifest.json", "shard-000"]
 
 
 def test_flipped_byte_in_a_shard_is_refused_naming_it(tmp_path):
@@ -86,40 +104,40 @@ def test_flipped_byte_in_a_shard_is_refused_naming_it(tmp_path):
     url = tmp_path / "state"
     save_state(state, str(url), weights_version=wv, shard_tokens=8)
     key = "layers/3/k/c/0/2/0"  # layer 3 is full attention; shard 2 holds positions 16..23
-    path = url / key
+    path = url / "shard-000" / key
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=f"shard '{key}' is corrupted"):
+    with pytest.raises(CorruptArtefact, match=f"shard '{key}' is corrupted") as e:
         load_state(str(url), model=model, weights_version=wv)
-    # a range that does not touch the corrupted shard still loads
-    part = load_state(str(url), model=model, weights_version=wv, token_range=(0, 16))
-    assert torch.equal(part.layers[3].k, state.layers[3].k[:, :16])
+    assert e.value.where == str(url)  # the whole state is what to recompute
     path.unlink()  # a missing shard is an error too, never zeros
     with pytest.raises(ValueError, match=f"shard '{key}' is missing"):
-        load_state(str(url), model=model, weights_version=wv, token_range=(16, 17))
+        load_state(str(url), model=model, weights_version=wv)
 
 
 def test_state_of_another_model_or_other_weights_is_refused(tmp_path):
     model, state, wv = captured("qwen3")
     url = str(tmp_path / "state")
     save_state(state, url, weights_version=wv)
-    other_arch = tiny_model("qwen3", num_hidden_layers=2)
     with pytest.raises(ValueError, match="another model"):
-        load_state(url, model=other_arch, weights_version=weights_version(other_arch))
-    other_weights = tiny_model("qwen3", seed=1)
-    assert weights_version(other_weights) != wv
+        load_state(url, model=tiny_model("qwen3", num_hidden_layers=2), weights_version=wv)
     with pytest.raises(ValueError, match="other weights"):
-        load_state(url, model=other_weights, weights_version=weights_version(other_weights))
+        load_state(url, model=tiny_model("qwen3", seed=1), weights_version="weights-1")
 
 
-def test_weights_version_is_a_content_hash():
-    a, b = tiny_model("qwen3"), tiny_model("qwen3")
-    assert weights_version(a) == weights_version(b)
-    with torch.no_grad():
-        next(b.parameters()).view(-1)[0] += 1e-3
-    assert weights_version(a) != weights_version(b)
-    assert weights_version(a) != weights_version(tiny_model("qwen3", dtype=torch.bfloat16))
+def test_one_rank_shard_is_refused_and_a_many_rank_state_not_loaded_whole(tmp_path):
+    model, state, wv = captured("qwen3")
+    url = str(tmp_path / "state")
+    with pytest.raises(ValueError, match="one rank's shard.*save_state_shard"):
+        save_state(ls.PrefixState(state.layers, state.prompt_ids, state.chunks, state.model_fingerprint,
+                                  shard=(0, PROMPT - 1)), url, weights_version=wv)
+    assert not (tmp_path / "state").exists()
+    records = [sharded_state.save_state_shard(state, url, 0, weights_version=wv),
+               {"rank": 1, "range": [PROMPT - 1, PROMPT - 1], "sha256": ""}]
+    sharded_state.commit_sharded_state(url, records, state=state, weights_version=wv)
+    with pytest.raises(ValueError, match="stored by 2 sequence-parallel ranks, not 1"):
+        load_state(url, model=model, weights_version=wv)
 
 
 def _kill_after(monkeypatch, calls: int) -> None:
@@ -141,7 +159,7 @@ def test_killed_writer_leaves_nothing_committed(tmp_path, monkeypatch):
     _kill_after(monkeypatch, 7)
     with pytest.raises(KeyboardInterrupt):
         save_state(state, url, weights_version=wv, shard_tokens=8)
-    with pytest.raises(ValueError, match="no committed prefix state"):
+    with pytest.raises(ValueError, match="no committed"):
         load_state(url, model=model, weights_version=wv)
     assert list(tmp_path.iterdir()) == []  # the temporary sibling is gone too
 
@@ -162,8 +180,10 @@ def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["state"]
 
 
+@pytest.mark.parametrize("which", ["shard", "top"])
 @pytest.mark.parametrize("previous", [False, True])
-def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkeypatch, previous):
+def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkeypatch, previous, which):
+    """`which` commit marker dies: the shard's (inside the temporary) or the state's (the swap's last step)."""
     model, old, wv = captured("qwen3")
     new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), chunk_size=16)
     url = tmp_path / "state"
@@ -174,19 +194,26 @@ def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkey
     def dying_commit(fs, root, manifest):
         # the data is in place, whole, and nothing there is committed yet
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
-        assert not (url / "manifest.json").exists()
-        assert all((url / k).is_file() for k in json.loads(manifest)["checksums"])
+        assert not (Path(root) / "manifest.json").exists()
+        if which == "shard":
+            assert Path(root).parent.name.startswith(".state.tmp-")  # written inside the state's temporary
+            assert all((Path(root) / k).is_file() for k in json.loads(manifest)["checksums"])
+        else:
+            assert root == str(url)
+            shard = shard_manifest(url)  # the shard is committed, and is the one the top manifest names
+            assert json.loads(manifest)["shards"][0]["sha256"] == manifest_digest(shard)
+            assert all((url / "shard-000" / k).is_file() for k in shard["checksums"])
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(store, "_write_manifest", dying_commit)
+    monkeypatch.setattr(store if which == "shard" else sharded_state, "_write_manifest", dying_commit)
     with pytest.raises(KeyboardInterrupt):
         save_state(new, str(url), weights_version=wv, shard_tokens=8)
-    assert len(seen) == 1 and "state" in seen[0]
+    assert len(seen) == 1 and ("state" in seen[0]) == (previous or which == "top")
     assert [p.name for p in tmp_path.iterdir()] == (["state"] if previous else [])
     if previous:
         assert_same(old, load_state(str(url), model=model, weights_version=wv))
     else:
-        with pytest.raises(ValueError, match="no committed prefix state"):
+        with pytest.raises(ValueError, match="no committed"):
             load_state(str(url), model=model, weights_version=wv)
 
 
@@ -195,42 +222,11 @@ def test_data_without_manifest_is_not_a_state(tmp_path):
     url = tmp_path / "state"
     save_state(state, str(url), weights_version=wv)
     (url / "manifest.json").unlink()  # e.g. a writer killed between moving the data in and committing
-    with pytest.raises(ValueError, match="no committed prefix state"):
+    with pytest.raises(ValueError, match="no committed"):
         load_state(str(url), model=model, weights_version=wv)
-    (url / "manifest.json").write_text(json.dumps({"format": "longstraw.prefix_state", "format_version": 99}))
+    (url / "manifest.json").write_text(json.dumps({"format": "longstraw.sharded_prefix_state", "format_version": 99}))
     with pytest.raises(ValueError, match="version 99"):
-        read_manifest(str(url))
-
-
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "glm_moe_dsa"])
-def test_token_range_reads_only_its_shards(tmp_path, monkeypatch, arch):
-    model, state, wv = captured(arch)
-    url = str(tmp_path / "state")
-    manifest = save_state(state, url, weights_version=wv, shard_tokens=8)
-    read: list[str] = []
-    real_get = LocalStore.get
-
-    async def counting_get(self, key, *args, **kwargs):
-        read.append(key)
-        return await real_get(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(LocalStore, "get", counting_get)
-    for (a, b), shards in {(10, 20): {1, 2}, (8, 16): {1}, (39, 39): set(), (0, 39): {0, 1, 2, 3, 4}}.items():
-        read.clear()
-        part = load_state(url, model=model, weights_version=wv, token_range=(a, b))
-        for i, spec in enumerate(manifest["layers"]):
-            for field in spec["arrays"]:
-                prefix = f"layers/{i}/{field}/c/"
-                got = {int(k.removeprefix(prefix).split("/")[-2]) for k in read if k.startswith(prefix)}
-                if spec["kind"] == "recurrent":  # the fixed state is always loaded, one chunk
-                    assert got == {0} and torch.equal(getattr(part.layers[i], field), getattr(state.layers[i], field))
-                else:
-                    assert got == shards, (a, b, prefix)
-                    assert torch.equal(getattr(part.layers[i], field), getattr(state.layers[i], field)[..., a:b, :])
-        assert torch.equal(part.prompt_ids, state.prompt_ids)
-        assert all(isinstance(s, (AttentionState, LatentState, RecurrentState)) for s in part.layers)
-    with pytest.raises(ValueError, match="outside"):
-        load_state(url, model=model, weights_version=wv, token_range=(5, 40))
+        read_sharded_manifest(str(url))
 
 
 def test_memory_url_round_trip_and_checks():
@@ -238,18 +234,18 @@ def test_memory_url_round_trip_and_checks():
     fs, path = fsspec.core.url_to_fs(url)
     try:
         model, state, wv = captured("qwen3_5_text")
-        manifest = save_state(state, url, weights_version=wv, shard_tokens=8)
-        assert fs.exists(f"{path}/manifest.json")
+        save_state(state, url, weights_version=wv, shard_tokens=8)
+        assert fs.exists(f"{path}/manifest.json") and fs.exists(f"{path}/shard-000/manifest.json")
         assert_same(state, load_state(url, model=model, weights_version=wv))
-        part = load_state(url, model=model, weights_version=wv, token_range=(9, 30))
-        assert torch.equal(part.layers[3].v, state.layers[3].v[:, 9:30])
         save_state(state, url, weights_version=wv, shard_tokens=8)  # replacing a committed state works there too
         assert [p.rsplit("/", 1)[-1] for p in fs.ls(path.rsplit("/", 1)[0], detail=False)] == ["state"]
+        assert_same(state, load_state(url, model=model, weights_version=wv))
+        manifest = json.loads(fs.cat_file(f"{path}/shard-000/manifest.json"))
         key = next(k for k in manifest["checksums"] if k.startswith("layers/0/conv/c/"))
-        data = bytearray(fs.cat_file(f"{path}/{key}"))
+        data = bytearray(fs.cat_file(f"{path}/shard-000/{key}"))
         data[-1] ^= 0xFF
-        fs.pipe_file(f"{path}/{key}", bytes(data))
-        with pytest.raises(ValueError, match=f"shard '{key}' is corrupted"):
+        fs.pipe_file(f"{path}/shard-000/{key}", bytes(data))
+        with pytest.raises(CorruptArtefact, match=f"shard '{key}' is corrupted"):
             load_state(url, model=model, weights_version=wv)
     finally:
         fs.rm(path.rsplit("/", 1)[0], recursive=True)

@@ -1,1 +1,20 @@
-"""Capture a prompt once, replay branches on its state, and get the GRPO gradient in three modes."""
+"""The engine: capture a prompt once, replay branches on its state, and get the GRPO gradient in three modes.
+
+One API for every caller (the library's `grpo_backward`, the training pipeline's ops, the benchmarks):
+`capture` -> (`rollout`) -> `replay(model, state, branches, loss, dstate)` -> `prompt_backward(model, state, dstate)`,
+with `new_dstate(state)` the dLoss/dState buffer exact mode accumulates, `Branches` what the loss needs of the
+responses, and `EngineConfig` how it runs (chunk, branch batch, boundaries, graph budget). Nothing else of this
+package is meant to be imported from outside it.
+"""
+
+from .branches import Branches
+from .budget import activation_bytes_per_token
+from .capture import PromptGraphs, capture, new_dstate
+from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval, sqrt_interval
+from .grpo import MODES, grpo_backward, naive_backward, reduce_gradients
+from .prompt import prompt_backward
+from .replay import replay, score
+
+__all__ = ["DEFAULT_CHUNK", "MODES", "Branches", "EngineConfig", "PromptGraphs", "activation_bytes_per_token",
+           "boundary_interval", "capture", "grpo_backward", "naive_backward", "new_dstate", "prompt_backward",
+           "reduce_gradients", "replay", "score", "sqrt_interval"]

@@ -15,7 +15,7 @@ import torch
 
 from ..models.protocol import PrefixLM
 from ..state import PrefixView, Segment
-from .capture import empty_state, run_chunk, store_chunk
+from .chunks import empty_state, run_chunk, store_chunk
 
 PROBE_TOKENS = 64  # and twice that: whole chunks of the chunked delta rule, which pads to 64
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

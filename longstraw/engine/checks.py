@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.protocol import PrefixLM
-from ..parallel import SequenceParallel
+from ..parallel import ONE_RANK, SequenceGroup
 from ..state import PrefixState
 
 
@@ -74,15 +74,17 @@ def as_advantages(advantages, count: int) -> torch.Tensor:
     return adv
 
 
-def check_state(model: PrefixLM, state: PrefixState, parallel: SequenceParallel | None = None) -> None:
+def check_state(model: PrefixLM, state: PrefixState, parallel: SequenceGroup = ONE_RANK) -> None:
+    """The state was captured with this model's architecture, and holds this rank's token range of the group."""
     if state.model_fingerprint != model.config.fingerprint:
         raise ValueError(
             "this prefix state was captured with a different model architecture "
             f"({state.model_fingerprint} != {model.config.fingerprint}); capture the prompt again with this model"
         )
-    if parallel is None and state.shard is not None:
-        raise ValueError(f"this prefix state is one rank's shard (tokens {state.shard}); pass the `parallel` group "
-                         "it was captured with")
-    if parallel is not None and state.shard != tuple(parallel.ranges(state.length)[parallel.rank]):
-        raise ValueError(f"this prefix state holds tokens {state.shard}, not rank {parallel.rank}'s range of this "
+    shard = state.shard or (0, state.length)
+    if shard != tuple(parallel.ranges(state.length)[parallel.rank]):
+        if parallel.size == 1:
+            raise ValueError(f"this prefix state is one rank's shard (tokens {shard}); pass the `parallel` group it "
+                             "was captured with")
+        raise ValueError(f"this prefix state holds tokens {shard}, not rank {parallel.rank}'s range of this "
                          f"{parallel.size}-rank group; capture it with the same `parallel` group")

@@ -1,15 +1,25 @@
-"""Replay branches on a prefix state: `[prompt[-1]] + response[:-1]` at positions P-1.., scored on `response`."""
+"""Replay branches on a prefix state: `[prompt[-1]] + response[:-1]` at positions P-1.., scored on `response`.
+
+`score` gives the log-probs without autograd; `replay` back-propagates the GRPO loss of the branches into the
+parameters and, in exact mode, dLoss/dState into a dState buffer.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from ..grpo import GRPOConfig, branch_loss
 from ..models.protocol import PrefixLM
-from ..parallel import SequenceParallel
+from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, PrefixView, Segment
+from .branches import Branches
 from .checks import as_responses, check_positions, check_state
+from .config import EngineConfig
+
+LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -24,7 +34,7 @@ def replay_logprobs(
     responses: list[torch.Tensor],
     grad: dict[int, LayerState] | None = None,
     prefix: list[LayerState] | None = None,
-    parallel: SequenceParallel | None = None,
+    parallel: SequenceGroup = ONE_RANK,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
@@ -49,9 +59,9 @@ def replay_logprobs(
 
 @torch.no_grad()
 def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch: int = 1, *,
-          parallel: SequenceParallel | None = None) -> list[torch.Tensor]:
-    """Per-token log-probabilities of each response given the captured prompt (no autograd). With `parallel`,
-    every rank of the group passes its shard of the state and the same responses, and gets the same result."""
+          parallel: SequenceGroup = ONE_RANK) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each response given the captured prompt (no autograd). On a group, every
+    rank passes its shard of the state and the same responses, and gets the same result."""
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config.max_position_embeddings)
@@ -59,3 +69,53 @@ def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch
     for b in range(0, len(resp), branch_batch):
         out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel)
     return out
+
+
+def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfig, totals: dict[str, float]) -> None:
+    """Back-propagate the GRPO loss of `branches` (their log-probs `logps`, with autograd); add its statistics
+    into `totals`."""
+    total = 0.0
+    for i, lp in enumerate(logps):
+        old = None if branches.old_logprobs is None else branches.old_logprobs[i]
+        ref = None if branches.ref_logprobs is None else branches.ref_logprobs[i]
+        li, st = branch_loss(lp, float(branches.advantages[i]), branches.token_weights[i], loss, old, ref)
+        total = total + li
+        for key, val in st.items():
+            totals[key] += val
+    total.backward()
+
+
+def replay(
+    model: PrefixLM,
+    state: PrefixState,
+    branches: Branches,
+    loss: GRPOConfig,
+    dstate: dict[int, LayerState] | None = None,
+    *,
+    engine: EngineConfig = EngineConfig(),
+    parallel: SequenceGroup = ONE_RANK,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Replay `branches` on `state` with autograd, `engine.branch_batch` at a time, and back-propagate their GRPO
+    loss: parameter gradients accumulate in `param.grad`; with a dState buffer (exact mode, `new_dstate`),
+    dLoss/dState adds into it; without (detached mode) the prefix gets no gradient.
+
+    `branches` may be a slice of a group (their token weights are the whole group's), so a group can be split over
+    several calls, or over the data-parallel groups, whose buffers add up. Returns the loss statistics summed over
+    the data-parallel groups (a collective over them: each group replays its slice)."""
+    check_state(model, state, parallel)
+    check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
+    leaves = None if dstate is None else [s.leaf() for s in state.layers]
+    totals = dict.fromkeys(LOSS_TOTALS, 0.0)
+    mode = "detached" if dstate is None else "exact"
+    with tqdm(total=len(branches), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as bar:
+        for b in range(0, len(branches), engine.branch_batch):
+            batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
+            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel)
+            loss_backward(batch, logps, loss, totals)
+            bar.update(len(batch))
+    for i, leaf in enumerate(leaves or []):
+        if (g := leaf.leaf_grad()) is not None:
+            dstate[i].add_(g)
+    summed = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64, device=parallel.device))
+    return dict(zip(totals, summed.tolist()))

@@ -6,13 +6,15 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# what EngineConfig (longstraw/engine/config.py) holds: how the gradient is computed, not what it is
+ENGINE_KEYS = ("prompt_chunk", "prompt_graph_budget", "branch_batch", "boundary_every")
 LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 
 
 class GRPOConfig(BaseModel):
-    """GRPO loss and execution knobs. The execution knobs never change the gradient, only time and memory."""
+    """The GRPO loss: clipping, KL, aggregation. How the engine computes its gradient is `EngineConfig`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -26,17 +28,15 @@ class GRPOConfig(BaseModel):
     norm_len: int | None = Field(
         None, ge=1, description="Dr. GRPO's constant length divisor; default: the group's longest response"
     )
-    prompt_chunk: int = Field(2048, ge=1, description="tokens per prompt chunk in capture and exact backward")
-    prompt_graph_budget: int | None = Field(
-        None, ge=0, description="bytes of prompt-chunk graphs exact mode may keep instead of recomputing; "
-        "default: a quarter of free memory",
-    )
-    branch_batch: int = Field(1, ge=1, description="branches replayed together (right-padded)")
-    boundary_every: int | None = Field(
-        None, ge=1, description="exact mode with recurrent layers: keep their state at every n-th prompt-chunk start "
-        "and recompute the others during the prompt backward; default: 1 (all) if they fit an eighth of free "
-        "memory, else ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_keys(cls, data):
+        moved = sorted(k for k in ENGINE_KEYS if isinstance(data, dict) and k in data)
+        if moved:
+            raise ValueError(f"{', '.join(moved)} moved from the loss's settings to the engine's: write "
+                             f"engine: {{{moved[0]}: ...}} (EngineConfig), not grpo: {{{moved[0]}: ...}}")
+        return data
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:

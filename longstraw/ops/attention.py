@@ -7,15 +7,18 @@ same flash-style kernel (the identity used by ring attention).
 
 Shapes: q [B, H, T, d]; k, v [B, Hkv, T, d]; prefix k, v [Hkv, N, d] shared by all B rows.
 
-With a `parallel` group (longstraw.parallel.SequenceParallel) the prefix is this rank's rows only: the prefix
-part is merged across the group's ranks first. In backward, this rank's prefix part adds its rows' gradient to the
-sink, and the ranks' shares of dq are summed, so that q's gradient is the same on every rank (parallel/sequence.py).
+Over a `parallel` group of C ranks (longstraw.parallel.SequenceGroup; ONE_RANK, the default, is one process)
+the prefix is this rank's rows only: the prefix part is merged across the group's ranks first. In backward, this
+rank's prefix part adds its rows' gradient to the sink, and the ranks' shares of dq are summed, so that q's
+gradient is the same on every rank (parallel/sequence.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..parallel.sequence import ONE_RANK, SequenceGroup
 
 Tensor = torch.Tensor
 _BLOCK = 1024
@@ -205,9 +208,9 @@ def merge_parts(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor,
     return o.to(o1.dtype), lse
 
 
-def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel):
-    """(out, lse, aux) of q [B, H, T, d] over the prefix rows (this rank's, merged over the group with
-    `parallel`; aux: what the kernel's backward needs)."""
+def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel: SequenceGroup):
+    """(out, lse, aux) of q [B, H, T, d] over the prefix rows (this rank's, merged over the group `parallel`;
+    aux: what the kernel's backward needs)."""
     b, h = q.shape[:2]
     aux = None
     if pk.shape[1]:
@@ -216,7 +219,7 @@ def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, p
     else:  # a rank that holds none of the visible rows
         o = q.new_zeros(*q.shape[:-1], pv.shape[-1])
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-    return (o, lse, aux) if parallel is None else (*parallel.merge(o, lse), aux)
+    return (*parallel.merge(o, lse), aux)
 
 
 class _PrefixSegmentAttention(torch.autograd.Function):
@@ -243,7 +246,7 @@ class _PrefixSegmentAttention(torch.autograd.Function):
         do = do.contiguous()
         aux_p, aux_s = ctx.aux
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel, aux_s)
-        dqp = torch.zeros_like(dq) if ctx.parallel is not None else None  # a rank may hold none of the rows
+        dqp = None
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
             dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel,
@@ -252,8 +255,8 @@ class _PrefixSegmentAttention(torch.autograd.Function):
                 gk.add_(dpk[0])
                 gv.add_(dpv[0])
             dqp = _unfold(dqp, b, h)
-        if ctx.parallel is not None:
-            dqp = ctx.parallel.sum_(dqp)  # all ranks' rows' shares: q's gradient is the same on every rank
+        if ctx.parallel.size > 1:  # all ranks' rows' shares: q's gradient is the same on every rank
+            dqp = ctx.parallel.sum_(torch.zeros_like(dq) if dqp is None else dqp)  # a rank may hold none of them
         return dq if dqp is None else dq + dqp, dk, dv, None, None, None, None, None, None, None
 
 
@@ -265,15 +268,15 @@ def segment_attention(
     prefix: tuple[Tensor, Tensor] | None = None,
     prefix_grad: tuple[Tensor, Tensor] | None = None,
     kernel: str = "auto",
-    parallel=None,
+    parallel: SequenceGroup = ONE_RANK,
 ) -> Tensor:
     """Causal attention of a segment over `prefix` (constant to autograd) and its own keys.
 
     If `prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact mode
-    collects the gradient of the prefix state across branches and prompt chunks. With `parallel`, `prefix` is this
-    rank's rows (possibly none) of a prefix sharded over the group.
+    collects the gradient of the prefix state across branches and prompt chunks. Over a `parallel` group of
+    several ranks, `prefix` is this rank's rows (possibly none) of a prefix sharded over the group.
     """
-    if prefix is None or (parallel is None and prefix[0].shape[1] == 0):
+    if prefix is None or (parallel.size == 1 and prefix[0].shape[1] == 0):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
     return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel)
@@ -294,7 +297,7 @@ def _masked_part(q: Tensor, k: Tensor, v: Tensor, scale: float, visible: Tensor)
 @torch.no_grad()
 def decode_attention(
     q: Tensor, own_k: Tensor, own_v: Tensor, scale: float, prefix: tuple[Tensor, Tensor] | None = None,
-    parallel=None, own_visible: Tensor | None = None,
+    parallel: SequenceGroup = ONE_RANK, own_visible: Tensor | None = None,
 ) -> Tensor:
     """One new token per row (q [B, H, 1, d]) over the shared prefix and the row's own tokens so far, itself
     included (own_k/own_v [B, Hkv, L+1, d]; with `own_visible`, the static decode's whole buffer of which that
@@ -305,6 +308,6 @@ def decode_attention(
         o, lse = part_forward(q, own_k, own_v, False, scale)
     else:
         o, lse = _masked_part(q, own_k, own_v, scale, own_visible)
-    if prefix is not None and (parallel is not None or prefix[0].shape[1]):
+    if prefix is not None and (parallel.size > 1 or prefix[0].shape[1]):
         o, lse = merge_parts(*_prefix_part(q, prefix[0], prefix[1], scale, "auto", parallel)[:2], o, lse)
     return o

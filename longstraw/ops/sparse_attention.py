@@ -12,8 +12,11 @@ group) and over the selected own rows; the backward uses the merged output, and 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from ..parallel.sequence import ONE_RANK, SequenceGroup
 from .attention import merge_parts
 
 Tensor = torch.Tensor
@@ -49,9 +52,12 @@ def select_topk(score_blocks, k: int) -> tuple[Tensor, Tensor]:
     return pos, vals > NEG
 
 
-def select_topk_sharded(prefix_blocks, own: tuple[int, Tensor], k: int, parallel) -> tuple[Tensor, Tensor]:
-    """`select_topk` over a prefix sharded over `parallel` (this rank's blocks, at global positions) followed by
-    the own tokens (first position, scores), the same on every rank."""
+def select_topk_global(prefix_blocks, own: tuple[int, Tensor], k: int,
+                       parallel: SequenceGroup = ONE_RANK) -> tuple[Tensor, Tensor]:
+    """`select_topk` over the whole prefix, sharded over `parallel` (this rank's blocks, at global positions),
+    followed by the own tokens (first position, scores), the same on every rank."""
+    if parallel.size == 1:
+        return select_topk(itertools.chain(prefix_blocks, [own]), k)
     n, own_scores = own
     local = topk_candidates(prefix_blocks, k)
     shape = (*own_scores.shape[:-1], k)
@@ -99,9 +105,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             vb = valid[:, sl, None, :]
             parts["pre"].append(_partial(s, vb & mine[:, :, None], keys[..., :vdim]))
             parts["own"].append(_partial(s, vb & ~in_prefix[:, :, None], keys[..., :vdim]))
-        o_p, l_p = (torch.cat(x, dim=1) for x in zip(*parts["pre"]))
-        if parallel is not None:
-            o_p, l_p = parallel.merge(o_p, l_p)
+        o_p, l_p = parallel.merge(*(torch.cat(x, dim=1) for x in zip(*parts["pre"])))
         out, lse = merge_parts(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
         ctx.save_for_backward(q, own, pos, valid, out, lse)
         ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim
@@ -140,8 +144,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             if sink is not None and rows:
                 sink.index_put_(((pb - offset).clamp(0, rows - 1),),
                                 torch.where(mine[..., None], dkeys, 0).to(sink.dtype), accumulate=True)
-        if ctx.parallel is not None:
-            dq_pre = ctx.parallel.sum_(dq_pre)  # all ranks' rows' shares: q's gradient is the same on every rank
+        dq_pre = ctx.parallel.sum_(dq_pre)  # all ranks' rows' shares: q's gradient is the same on every rank
         return (dq_own + dq_pre).to(q.dtype), down.to(own.dtype), *([None] * 9)
 
 
@@ -157,12 +160,13 @@ def sparse_latent_attention(
     *,
     length: int | None = None,
     offset: int = 0,
-    parallel=None,
+    parallel: SequenceGroup = ONE_RANK,
 ) -> Tensor:
     """Softmax attention of q [B, T, H, D] over the selected rows (`pos`, `valid` [B, T, k]) of prefix [N, D] ++
     own [B, T, D], one shared key/value row set for all heads (absorbed MLA: values are the first `vdim` features
     of the keys). Returns [B, T, H, vdim]; with `prefix_grad` [N, D], backward adds dLoss/dprefix into it.
 
-    Sharded (`parallel`): `prefix` holds positions [offset, offset + rows) of a prefix of `length` positions."""
+    Sharded over a `parallel` group of several ranks: `prefix` holds positions [offset, offset + rows) of a
+    prefix of `length` positions."""
     n = (0 if prefix is None else prefix.shape[0]) if length is None else length
     return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel)

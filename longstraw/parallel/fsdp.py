@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from .sequence import SequenceParallel
+from .sequence import ONE_RANK, SequenceGroup
 
 STAGES = (2, 3)
 LAYER_METHODS = ("capture", "emit_state")  # what capture calls on a layer instead of forward
@@ -70,7 +70,7 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, stage: int, parallel: SequenceParallel | None = None,
+def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK,
                 mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` 2 or 3 over all ranks (or `mesh`, 1-D) and return it.
 
@@ -99,7 +99,7 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceParallel | None 
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     for method in MODEL_METHODS:
         register_fsdp_forward_method(model, method)
-    replicas = 1 if parallel is None else parallel.size
+    replicas = parallel.size
     gloo = dist.get_backend() == "gloo"  # gloo has no pre-multiplied sum: FSDP then sums and scales apart
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -109,7 +109,7 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceParallel | None 
 
 
 def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage: int,
-                     parallel: SequenceParallel | None, device: torch.device) -> nn.Module:
+                     parallel: SequenceGroup, device: torch.device) -> nn.Module:
     """A ZeRO-2/3 model whose weights only rank 0 has read. Every rank passes `skeleton`, the same model on the
     meta device; rank 0 passes `full`, the whole state dict (None elsewhere). The skeleton is sharded, given
     storage for its shards on `device`, and each rank's shards are filled from rank 0's tensors, broadcast one at a

@@ -31,8 +31,11 @@ class PrefixState:
     chunks: list[tuple[int, int]]
     model_fingerprint: str
     boundaries: dict[int, dict[int, LayerState]] = field(default_factory=dict)
-    shard: tuple[int, int] | None = None  # None: all of the prompt's rows are here
+    shard: tuple[int, int] | None = None  # the token range of the rows held; None: all of them
     boundary_every: int = 1  # exact mode keeps the boundaries of chunks 0, k, 2k, ... (the others are recomputed)
+    # exact mode's capture: the autograd graphs it kept of the last chunks (engine/capture.py: PromptGraphs);
+    # in memory only, never stored, used up by the prompt backward
+    graphs: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def offset(self) -> int:

@@ -2,19 +2,26 @@
 
 A prompt chunk (capture, exact-mode recompute) and a batch of replayed branches read a `PrefixView`; a decode
 step also writes its new tokens into a `DecodeCache`.
+
+A mixer asks its segment to attend (`own_rows`, then `attend`, or for DSA `select_topk` and `attend_sparse`)
+without knowing whether the keys are the segment's own, a decode cache, or a prefix sharded over ranks: the
+segment knows its prefix rows, their dState sink (exact mode), its cache and the group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .protocol import LayerState
+from ..ops import sparse_attention
+from ..ops.attention import decode_attention, segment_attention
+from ..ops.sparse_attention import select_topk_global, sparse_latent_attention
+from ..parallel.sequence import ONE_RANK, SequenceGroup
+from .protocol import LayerState, TokenState
 
-if TYPE_CHECKING:
-    from ..parallel import SequenceParallel
+Tensor = torch.Tensor
 
 
 @dataclass
@@ -22,14 +29,15 @@ class PrefixView:
     """Each layer's prefix state with its first `length` tokens visible, and, in exact mode, the dState sinks
     (`grads`, one per layer) that the backward adds dLoss/dPrefix into.
 
-    Sharded over a sequence-parallel group (`parallel`), per-token layers hold this rank's rows only, the first of
-    them at position `offset`; fixed-size states are the whole prefix's on every rank."""
+    Sharded over a sequence-parallel group (`parallel`; ONE_RANK: all of it is here), per-token layers hold this
+    rank's rows only, the first of them at position `offset`; fixed-size states are the whole prefix's on every
+    rank."""
 
     layers: list[LayerState]
     length: int
     grads: dict[int, LayerState] | None = None
     offset: int = 0
-    parallel: SequenceParallel | None = None
+    parallel: SequenceGroup = ONE_RANK
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -87,9 +95,14 @@ class Segment:
             self.emitted[layer] = state
 
     @property
-    def parallel(self) -> SequenceParallel | None:
-        """The group the prefix is sharded over (None: it is all here)."""
-        return None if self.prefix is None else self.prefix.parallel
+    def parallel(self) -> SequenceGroup:
+        """The group the prefix is sharded over (ONE_RANK: it is all here)."""
+        return ONE_RANK if self.prefix is None else self.prefix.parallel
+
+    @property
+    def prefix_length(self) -> int:
+        """The tokens before the segment's own that its queries see: the whole prefix's, on every rank."""
+        return 0 if self.prefix is None else self.prefix.length
 
     def _visible(self, rows: LayerState) -> LayerState:
         p = self.prefix
@@ -112,3 +125,68 @@ class Segment:
     def initial_state(self, layer: int) -> LayerState | None:
         """The fixed-size state a layer starts from (None: from zeros, at the sequence start)."""
         return None if self.prefix is None else self.prefix.layers[layer]
+
+    # ---- attention: what a mixer asks of its segment ----------------------------------------------------------
+    def own_rows(self, layer: int, new: TokenState) -> TokenState:
+        """The rows of its own that the segment's queries attend to, given what the layer computed for the
+        segment's tokens (`new`, batch dim first): `new` itself, or when decoding, the branch's tokens so far with
+        `new` written after them (static decode: the whole buffer, of which `cache.visible` rows count)."""
+        return new if self.cache is None else self.cache.extend(layer, new)
+
+    def attend(self, layer: int, q: Tensor, own: TokenState, scale: float,
+               heads: Callable[[TokenState], tuple[Tensor, Tensor]]) -> Tensor:
+        """Softmax attention of q [B, H, T, d] over the layer's visible prefix and `own` (from `own_rows`):
+        causal over a segment's own tokens, or a decode step over its branch so far; merged over the group when
+        the prefix is sharded; in exact mode the backward adds dLoss/dPrefix into the prefix's sink.
+
+        `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
+        for `own` (k and v may be one tensor: absorbed MLA's shared latent head)."""
+        rows = self.prefix_rows(layer)
+        prefix = None if rows is None else heads(rows)
+        k, v = heads(own)
+        if self.cache is not None:
+            return decode_attention(q, k, v, scale, prefix, parallel=self.parallel, own_visible=self.cache.visible)
+        sink = self.prefix_grad(layer)
+        return segment_attention(q, k, v, scale, prefix, None if sink is None else heads(sink),
+                                 parallel=self.parallel)
+
+    def select_topk(self, layer: int, k: int, prefix_scores: Callable[[TokenState], Tensor],
+                    own_scores: Tensor) -> tuple[Tensor, Tensor]:
+        """DSA: the top-k positions per query (ties: the lower position) over the whole visible prefix (every
+        rank's rows, when sharded) and the own rows, the same on every rank: (positions [B, T, k'] ascending,
+        valid [B, T, k']); see `ops.sparse_attention.select_topk`.
+
+        `prefix_scores(rows)` scores a block of the layer's prefix rows ([B, T, L] for L rows; the prefix streams
+        through in blocks of `KEY_BLOCK`, one block's scores alive at a time); `own_scores` [B, T, L_own] scores
+        `own_rows`, unmasked: the segment masks the own rows each query may not see."""
+        rows = self.prefix_rows(layer)
+        count = 0 if rows is None else rows.tokens
+        offset = 0 if self.prefix is None else self.prefix.offset
+        kb = sparse_attention.KEY_BLOCK
+        # Looping over block numbers, not over range(0, count, kb), lets torch.compile keep `count` symbolic: its
+        # guard is on the number of blocks
+        blocks = ((offset + b * kb, prefix_scores(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :])))
+                  for b in range(-(-count // kb)))
+        own = (self.prefix_length, self._mask_own(own_scores))
+        return select_topk_global(blocks, own, k, self.parallel)
+
+    def _mask_own(self, s: Tensor) -> Tensor:
+        """-inf where a query may not see an own row: after it (a segment's own tokens), or not yet written (the
+        static decode's buffer); a dynamic decode step sees all of its branch so far."""
+        if self.cache is None:
+            return s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        if (visible := self.cache.visible) is not None:
+            return s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= visible, float("-inf"))
+        return s
+
+    def attend_sparse(self, layer: int, q: Tensor, own: TokenState, selected: tuple[Tensor, Tensor],
+                      scale: float, vdim: int, rows: Callable[[TokenState], Tensor]) -> Tensor:
+        """DSA: softmax attention of q [B, T, H, D] over the `selected` (positions, valid) of the layer's prefix
+        rows followed by `own` (from `own_rows`), one shared key/value row set for all heads (absorbed MLA: the
+        values are the first `vdim` features of the keys). `rows(state)` are a state's key rows: [N, D] for the
+        prefix, [B, L, D] for `own`. Returns [B, T, H, vdim]; in exact mode the backward adds into the sink."""
+        pre, sink = self.prefix_rows(layer), self.prefix_grad(layer)
+        return sparse_latent_attention(
+            q, rows(own), None if pre is None else rows(pre), *selected, scale, vdim,
+            None if sink is None else rows(sink), length=self.prefix_length,
+            offset=0 if self.prefix is None else self.prefix.offset, parallel=self.parallel)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config import DType, ModelSpec
+from ..engine.config import EngineConfig
 from ..grpo import GRPOConfig
 
 
@@ -136,7 +137,9 @@ class TrainConfig(_Strict):
     mode: Literal["naive", "detached", "exact"] = "exact"
     epochs: int = Field(1, ge=1, description="optimizer updates per rollout (>1: off-policy, clipping active)")
     scale_advantages: bool = Field(True, description="divide advantages by the group's std (Dr. GRPO: false)")
-    grpo: GRPOConfig = GRPOConfig()
+    grpo: GRPOConfig = Field(GRPOConfig(), description="the loss: clipping, KL, aggregation")
+    engine: EngineConfig = Field(EngineConfig(), description="how its gradient is computed: prompt chunk, branch "
+                                 "batch, kept graphs, boundary states (time and memory, never the gradient)")
     optim: OptimConfig = OptimConfig()
     lora: LoraSpec | None = Field(None, description="LoRA adapters instead of full fine-tuning (absent: full)")
     seed: int = 0

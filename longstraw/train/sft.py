@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..config import ModelSpec
 from ..data import Example, Tokenizer, check_vocab, load_tokenizer
-from ..engine.capture import capture
+from ..engine import capture
 from ..files import atomic_output
 from ..models import build_model, load_model, write_weights
 from ..problems import get_problem, make_problem

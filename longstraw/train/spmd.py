@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from ..files import CorruptArtefact
 from ..memory import measured
-from ..parallel import SequenceParallel
+from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel
+from ..parallel.launch import torchrun
 from ..parallel.objects import broadcast_json, gather_json
 from .config import TrainConfig
 
@@ -60,14 +61,19 @@ class Ranks:
     """This process's place in the job: the sequence-parallel group (with its data-parallel groups) for the ops'
     collectives, and the gloo group that carries commands and results."""
 
-    parallel: SequenceParallel
-    control: dist.ProcessGroup
+    parallel: SequenceGroup
+    control: dist.ProcessGroup | None
     rank: int
     world: int
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process: a failing op must end the job on every rank."""
+        return self.world > 1
 
     def broadcast(self, value):
         return broadcast_json(value, 0, self.control)
@@ -76,6 +82,20 @@ class Ranks:
         return gather_json(value, self.control)
 
 
+class OneProcess(Ranks):
+    """The job of one process (no torchrun): the single-rank group, and commands that go nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__(ONE_RANK, None, 0, 1)
+
+    def broadcast(self, value):
+        return value
+
+    def gather(self, value) -> list:
+        return [value]
+
+
+ONE_PROCESS = OneProcess()
 _RANKS: Ranks | None = None
 
 
@@ -110,9 +130,14 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
     return _RANKS
 
 
-def current_ranks() -> Ranks | None:
-    """The job this process joined (None: one process, no torchrun)."""
-    return _RANKS
+def current_ranks() -> Ranks:
+    """The job this process joined (`ONE_PROCESS` when it joined none)."""
+    return _RANKS or ONE_PROCESS
+
+
+def joined() -> bool:
+    """Whether this process is a rank of a torchrun job (`init_ranks`)."""
+    return _RANKS is not None
 
 
 def shutdown() -> None:
@@ -143,10 +168,10 @@ def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error
 def execute(worker, op: str, params: dict):
     """Run `op` on this rank; with other ranks, gather every rank's result to rank 0 (merged there)."""
     ranks = worker.ranks
-    fn = getattr(worker, op, None)
-    if op.startswith("_") or not callable(fn):
-        raise ValueError(f"unknown op {op!r}")
-    if ranks is None:
+    if op not in worker.OPS:
+        raise ValueError(f"unknown op {op!r}; the ops are {', '.join(worker.OPS)}")
+    fn = getattr(worker, op)
+    if not ranks.distributed:
         return measured(fn, **params)  # one process: errors are raised as they are (`agree` raises them too)
     try:
         out = measured(fn, **params)
@@ -175,7 +200,7 @@ def merge(results: list[dict]) -> dict:
     return out
 
 
-def agree(ranks: Ranks | None, fn):
+def agree(ranks: Ranks, fn):
     """fn() on every rank; if it raised on any rank, raise `Agreed` (the first rank's error) on all of them.
     For checks before compute collectives, so that bad input is an error on every rank and nothing hangs."""
     err: BaseException | None = None
@@ -184,7 +209,7 @@ def agree(ranks: Ranks | None, fn):
         value = fn()
     except (ValueError, OSError, KeyError) as e:
         err = e
-    if ranks is None:
+    if not ranks.distributed:
         if err is not None:
             raise err
         return value
@@ -210,27 +235,28 @@ def _peer_gone(message: str) -> bool:
 
 
 class Driver:
-    """Rank 0's handle on the job: `call(op, **params)` runs an op on every rank and returns the merged result."""
+    """Rank 0's handle on the job: `call(Worker.capture, **params)` runs that op on every rank and returns the
+    merged result. The op goes to the other ranks by its name, one of `Worker.OPS`."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
         self._lock = threading.Lock()  # one op at a time: every rank must see the same sequence
         self._failed: RankFailed | None = None
 
-    def call(self, op: str, **params) -> dict:
+    def call(self, fn: Callable[..., dict], **params) -> dict:
+        op = fn.__name__
         with self._lock:
             if self._failed is not None:
                 raise RankFailed(f"the job stopped earlier ({self._failed}); `longstraw resume` continues the run")
             ranks = self.worker.ranks
             started = time.time()
             try:
-                if ranks is not None:
-                    ranks.broadcast({"op": op, "params": params})
+                ranks.broadcast({"op": op, "params": params})
                 return execute(self.worker, op, params)
             except Agreed as e:
                 raise e.error from None
             except (RankFailed, RuntimeError) as e:
-                if ranks is None:
+                if not ranks.distributed:
                     raise
                 self._failed = RankFailed(self._who_failed(started) or str(e))
                 shutdown()
@@ -253,7 +279,7 @@ class Driver:
         """Tell the other ranks to leave their loop (after the run, or after it failed)."""
         with self._lock:
             ranks = self.worker.ranks
-            if ranks is not None and self._failed is None and dist.is_initialized():
+            if ranks.distributed and self._failed is None and dist.is_initialized():
                 try:
                     ranks.broadcast({"op": "stop"})
                 except RuntimeError:
@@ -284,11 +310,5 @@ def clear_failures(cfg: TrainConfig) -> None:
 def launch(cfg: TrainConfig, progress: bool = True) -> int:
     """Start the run on `pipeline.nproc` local ranks under torchrun (`flows.ranks` on each); returns its exit
     status. Threads per rank: `threads`, or the cores divided among the ranks."""
-    n = cfg.pipeline.nproc
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // n)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "--monitor-interval=0.5", "-m", "flows.ranks", "--config-json", cfg.model_dump_json()]
-    if not progress:
-        cmd.append("--no-progress")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, env=env).returncode
+    args = ["--config-json", cfg.model_dump_json(), *([] if progress else ["--no-progress"])]
+    return torchrun("flows.ranks", args, cfg.pipeline.nproc, cfg.threads).returncode

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,26 +33,23 @@ from torch import nn
 
 from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
-from ..engine.backward import (Grad, boundary_interval, naive_backward, prompt_backward, replay_backward,
-                               sum_over_branch_groups)
-from ..engine.capture import capture
-from ..engine.replay import score
+from ..engine import (Branches, capture, naive_backward, new_dstate, prompt_backward, reduce_gradients, replay,
+                      score)
 from ..files import remove_stale_temporaries
-from ..grpo import token_weights
 from ..lora import add_lora
-from ..memory import PeakMeter, free_bytes
+from ..memory import PeakMeter
 from ..models import build_model, load_model, meta_model
-from ..parallel import balanced_ranges, is_sharded, shard_from_rank0, shard_model
+from ..parallel import shard_from_rank0, shard_model
 from ..rollout import Sample, rollout
 from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
-from ..state import PrefixState
+from ..state import LayerState, PrefixState
 from ..store import manifest_digest, save_rollout
 from .artifacts import load_json, load_tensors, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
 from .config import TrainConfig
 from .data import example_seed
 from .optim import build_optimizer, optimizer_step
-from .spmd import Ranks, agree
+from .spmd import ONE_PROCESS, Ranks, agree
 from .stages import example_record, load_rollout, make_prompt
 
 
@@ -74,39 +70,42 @@ def _leader_reads(read: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
 
 
 class Worker:
-    def __init__(self, cfg: TrainConfig, ranks: Ranks | None = None) -> None:
+    # the ops rank 0 may ask every rank to run (spmd.Driver.call), in the order a step runs them
+    OPS = ("start", "capture", "rollout", "reference", "replay", "prompt", "optimizer")
+
+    def __init__(self, cfg: TrainConfig, ranks: Ranks = ONE_PROCESS) -> None:
         self.cfg, self.ranks = cfg, ranks
-        self.parallel = None if ranks is None else ranks.parallel
+        self.parallel = ranks.parallel
         self.model: nn.Module | None = None
         self.optim: torch.optim.Optimizer | None = None  # the AdamW (its op is `optimizer`)
         self.update, self.weights_version = 0, ""
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
         self._reference: nn.Module | None = None
         self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
-        self._dstate: dict[tuple[int, int], Grad] = {}
+        self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
 
     # ---- the rank's place ---------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        if self.ranks is not None and torch.cuda.is_available():
+        if self.ranks.distributed and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     @property
     def _sp_rank(self) -> tuple[int, int]:
         """(this rank's index in its sequence-parallel group, the group's size)."""
-        return (0, 1) if self.parallel is None else (self.parallel.rank, self.parallel.size)
+        return self.parallel.rank, self.parallel.size
 
     @property
     def _writes_shards(self) -> bool:
         """The first data-parallel group writes the state (every group holds the same copy)."""
-        return self.parallel is None or self.parallel.dp_rank == 0
+        return self.parallel.dp_rank == 0
 
     @property
     def _leader(self) -> bool:
-        return self.ranks is None or self.ranks.leader
+        return self.ranks.leader
 
     def _meter(self) -> PeakMeter:
         return PeakMeter(self.device, collect=False)  # a full gc per op would cost more than a tiny op
@@ -115,7 +114,7 @@ class Worker:
         return agree(self.ranks, fn)
 
     def _barrier_gather(self, value) -> list:
-        return [value] if self.ranks is None else self.ranks.gather(value)
+        return self.ranks.gather(value)
 
     def _resident(self, read: Callable[[], nn.Module], weights: Path | None, lora: dict | None,
                   stage: int | None = None) -> nn.Module:
@@ -126,7 +125,7 @@ class Worker:
         them, and ZeRO-2/3 then shards them."""
         stage = self.cfg.optim.zero_stage if stage is None else stage
         skeleton = None
-        if stage >= 2 and self.ranks is not None and weights is not None:
+        if stage >= 2 and weights is not None:  # ZeRO-2/3: several ranks
             skeleton = self._agree(lambda: meta_model(weights, torch_dtype(self.cfg.dtype)))
             if skeleton.config.tie_word_embeddings:  # the meta path would untie them
                 skeleton = None
@@ -149,8 +148,7 @@ class Worker:
         cfg, paths = self.cfg, self.cfg.paths()
         if self._leader:
             remove_stale_temporaries(paths.checkpoints)  # a kill mid-commit leaves one; the run lock makes it safe
-        latest = (self.ranks.broadcast(str(p) if (p := latest_checkpoint(paths.checkpoints)) else None)
-                  if self.ranks is not None else latest_checkpoint(paths.checkpoints))
+        latest = self.ranks.broadcast(str(p) if (p := latest_checkpoint(paths.checkpoints)) else None)
         dtype = torch_dtype(cfg.dtype)
         factory = lambda m: build_optimizer(m, cfg.optim)  # noqa: E731
         if latest is None:
@@ -164,7 +162,7 @@ class Worker:
                 return model if lora is None else add_lora(model, **lora)
 
             self.model = self._resident(read, Path(cfg.model.path) if cfg.model.path else None, lora)
-            if lora is not None and self.ranks is not None:
+            if lora is not None:
                 # the adapters' initial values were drawn from the RNG, maybe by rank 0 alone (the sharded load):
                 # every rank goes on from rank 0's RNG state
                 torch.set_rng_state(torch.tensor(self.ranks.broadcast(torch.get_rng_state().tolist()),
@@ -196,8 +194,8 @@ class Worker:
         if self._leader:
             uncommit(url, cfg.store.storage_options)  # before any shard is rewritten
         with self._meter() as m:
-            state = capture(self.model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel,
-                            boundary_every=self._boundary_every(prompt.numel()) if cfg.mode == "exact" else None)
+            # exact mode: the boundary states are stored with the state; the kept chunk graphs stay in memory
+            state = capture(self.model, prompt, cfg.engine, parallel=self.parallel, exact=cfg.mode == "exact")
             mine = (save_state_shard(state, url, rank, weights_version=weights, shard_tokens=cfg.store.shard_tokens,
                                      storage_options=cfg.store.storage_options) if self._writes_shards else None)
         shards = [s for s in self._barrier_gather(mine) if s is not None]  # every owner has committed its shard
@@ -207,8 +205,7 @@ class Worker:
                                             storage_options=cfg.store.storage_options,
                                             extra={"example": example_record(ex)})
             digest = manifest_digest(manifest)
-        if self.ranks is not None:
-            digest = self.ranks.broadcast(digest)
+        digest = self.ranks.broadcast(digest)
         self._state = (url, digest, state)
         return {"url": url, "sha256": digest, "weights_version": weights, "prompt_tokens": prompt.numel(),
                 "state_bytes": state.nbytes, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
@@ -222,7 +219,7 @@ class Worker:
         self._check_weights(weights)
         tok = load_tokenizer(cfg.tokenizer)
         prefix = self._load(state)
-        mine = range(cfg.responses) if self.parallel is None else self.parallel.branches(cfg.responses)
+        mine = self.parallel.branches(cfg.responses)
         with self._meter() as m:
             samples = rollout(self.model, prefix, n=len(mine), max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
@@ -259,8 +256,8 @@ class Worker:
         prompt = self._load(state).prompt_ids
         responses, _, _ = self._agree(lambda: load_rollout(cfg, rollout_ref))
         with self._meter() as m:
-            ref_state = capture(model, prompt, cfg.grpo.prompt_chunk, parallel=self.parallel)
-            logps = score(model, ref_state, responses, cfg.grpo.branch_batch, parallel=self.parallel)
+            ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
+            logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
         out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
         if self._leader:
             path = str(cfg.paths().step(step) / f"reference-g{group:03d}.safetensors")
@@ -273,7 +270,7 @@ class Worker:
         prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory."""
         cfg = self.cfg
         self._check_weights(weights)
-        if len(branches) != (dp := 1 if self.parallel is None else self.parallel.dp_size):
+        if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
         def inputs():
@@ -285,25 +282,21 @@ class Worker:
 
         responses, sample_logps, record, ref_t = self._agree(inputs)
         prefix = self._load(state)  # naive mode too: its prompt is the stored one
-        mine = branches[0 if self.parallel is None else self.parallel.dp_rank]
-        pick = lambda xs: [xs[i] for i in mine]  # noqa: E731
-        weights_all = token_weights([r.numel() for r in responses], cfg.grpo)
-        adv = torch.tensor(pick(record["advantages"]), dtype=torch.float64)
-        old = pick(sample_logps) if cfg.epochs > 1 else None  # several epochs: ratios against the sampling policy
-        ref = None if ref_t is None else [ref_t[f"logprobs.{i}"] for i in mine]
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+        group_branches = Branches.group(
+            responses, record["advantages"], cfg.grpo, vocab_size=self.model.config.vocab_size,
+            old_logprobs=sample_logps if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
+            ref_logprobs=None if ref_t is None else [ref_t[f"logprobs.{i}"] for i in range(len(responses))])
+        mine = group_branches.select(branches[self.parallel.dp_rank])
         with self._meter() as m:
             if cfg.mode == "naive":
-                naive_backward(self.model, prefix.prompt_ids, pick(responses), adv, pick(weights_all), cfg.grpo, old, ref,
-                               totals)
+                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo)
             else:
-                grad = (self._dstate.setdefault((group, epoch), prefix.grad_buffer())
-                        if cfg.mode == "exact" else None)
-                replay_backward(self.model, prefix, pick(responses), adv, pick(weights_all), cfg.grpo, old, ref,
-                                grad, totals, mode=cfg.mode, parallel=self.parallel)
-        if self.parallel is not None and self.parallel.dp_size > 1:  # the whole group's statistics on every rank
-            t = torch.tensor(list(totals.values()), dtype=torch.float64, device=self.parallel.device)
-            totals = dict(zip(totals, self.parallel.dp_sum_(t).tolist()))
+                dstate = None
+                if cfg.mode == "exact":
+                    if (group, epoch) not in self._dstate:
+                        self._dstate[(group, epoch)] = new_dstate(prefix)
+                    dstate = self._dstate[(group, epoch)]
+                totals = replay(self.model, prefix, mine, cfg.grpo, dstate, engine=cfg.engine, parallel=self.parallel)
         tokens = sum(responses[i].numel() for s in branches for i in s)
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": tokens / max(m.seconds, 1e-9)}
@@ -318,11 +311,7 @@ class Worker:
                              "started: run the group's replay tasks first")
         prefix = self._load(state)
         with self._meter() as m:
-            if self.parallel is not None and self.parallel.dp_size > 1:
-                sum_over_branch_groups(grad, self.parallel)
-            # a copy of the boundary table: the backward consumes it, the resident state keeps it
-            prompt_backward(self.model, replace(prefix, boundaries=dict(prefix.boundaries)), grad, {},
-                            parallel=self.parallel)
+            prompt_backward(self.model, prefix, grad, parallel=self.parallel)
         return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
 
@@ -336,10 +325,7 @@ class Worker:
             raise ValueError(f"prompt backward of {sorted(self._dstate)} (group, epoch) did not run before the "
                              "optimizer step")
         t0 = time.perf_counter()
-        if self.parallel is not None and self.parallel.dp_size > 1 and not is_sharded(self.model):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    self.parallel.dp_sum_(p.grad)
+        reduce_gradients(self.model, self.parallel)
         stats = optimizer_step(self.model, self.optim, cfg.optim, update, cfg.updates)
         self.update += 1
         self.weights_version = next_version(self.weights_version, self.update)
@@ -386,18 +372,3 @@ class Worker:
             self._reference.requires_grad_(False)
             self.model_loads += 1
         return self._reference
-
-    def _boundary_every(self, prompt_tokens: int) -> int:
-        """Exact mode keeps the recurrent layers' state at every k-th chunk start of this rank's chunks: all of
-        them when they fit an eighth of free memory, else k = ceil(sqrt(chunks)) (one more no-grad forward)."""
-        cfg = self.cfg.grpo
-        if cfg.boundary_every:
-            return cfg.boundary_every
-        # the same k on every rank: that of the rank with the most chunks
-        chunks = max(-(-(b - a) // cfg.prompt_chunk) for a, b in balanced_ranges(prompt_tokens - 1, self._sp_rank[1]))
-        p = next(self.model.parameters())
-        fixed = sum(s.fixed_bytes for s in self.model.empty_state(0, p.dtype, torch.device("meta")))
-        free = free_bytes(self.device)
-        if self.parallel is not None:
-            free = self.parallel.agree_min(free)
-        return boundary_interval(chunks, fixed, free // 8)

@@ -42,7 +42,7 @@ def run(model, mode: str, steps: int = 3):
     held = [make_problem("kv-retrieval", 200, 190, tok)]
     cfg = RunConfig(mode=mode, steps=steps, seed=3, responses=4, eval_every=2,
                     optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup_updates=1),
-                    grpo=ls.GRPOConfig(prompt_chunk=64, prompt_graph_budget=0))  # chunks recomputed, as at scale
+                    engine=ls.EngineConfig(prompt_chunk=64, prompt_graph_budget=0))  # chunks recomputed, as at scale
     history = train_run(model, tok, pool, held, TaskSpec(byte_sum, byte_sum, 6), cfg, progress=False)
     return history, model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.engine.budget import activation_bytes_per_token
+from longstraw.engine import activation_bytes_per_token
 from longstraw.grpo import token_weights
 from tests.conftest import flat_grad, rel_err, tiny_config, tiny_model
 
@@ -40,7 +40,7 @@ def test_exact_equals_naive_fp32(model_type, chunk):
     model = tiny_model(model_type)
     prompt, responses = group()
     g_naive, s_naive = grad_of(model, "naive", prompt, responses)
-    g_exact, s_exact = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=chunk))
+    g_exact, s_exact = grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=chunk))
     assert rel_err(g_exact, g_naive) <= 1e-5
     assert s_exact["loss"] == pytest.approx(s_naive["loss"], abs=1e-6)
     assert s_exact["tokens"] == sum(G_LENGTHS)
@@ -52,7 +52,7 @@ def test_exact_equals_naive_fp64(model_type, chunk):
     model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group()
     g_naive, _ = grad_of(model, "naive", prompt, responses)
-    g_exact, _ = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=chunk))
+    g_exact, _ = grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=chunk))
     assert rel_err(g_exact, g_naive) <= 1e-10
 
 
@@ -64,9 +64,9 @@ def test_graph_budget_and_branch_batch_keep_gradient(model_type, budget, branch_
     prompt, responses = group(prompt_len=50)
     per_chunk = 7 * activation_bytes_per_token(model)
     bytes_ = {"zero": 0, "partial": 3 * per_chunk, "whole": 10**12}[budget]
-    cfg = ls.GRPOConfig(prompt_chunk=7, prompt_graph_budget=bytes_, branch_batch=branch_batch)
+    cfg = ls.EngineConfig(prompt_chunk=7, prompt_graph_budget=bytes_, branch_batch=branch_batch)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
-    g_exact, _ = grad_of(model, "exact", prompt, responses, config=cfg)
+    g_exact, _ = grad_of(model, "exact", prompt, responses, engine=cfg)
     assert rel_err(g_exact, g_naive) <= 1e-10
 
 
@@ -77,19 +77,21 @@ def test_sparse_boundaries_keep_gradient(every, budget):
     model = tiny_model("qwen3_5_text", dtype=torch.float64)
     prompt, responses = group(prompt_len=60)
     bytes_ = {"zero": 0, "partial": 2 * 7 * activation_bytes_per_token(model)}[budget]
-    cfg = ls.GRPOConfig(prompt_chunk=7, prompt_graph_budget=bytes_, boundary_every=every)
+    cfg = ls.EngineConfig(prompt_chunk=7, prompt_graph_budget=bytes_, boundary_every=every)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
-    g_exact, _ = grad_of(model, "exact", prompt, responses, config=cfg)
+    g_exact, _ = grad_of(model, "exact", prompt, responses, engine=cfg)
     assert rel_err(g_exact, g_naive) <= 1e-10
 
 
 def test_boundary_interval():
-    from longstraw.engine.backward import boundary_interval
+    from longstraw.engine import EngineConfig, boundary_interval
 
-    assert boundary_interval(100, 10, 1000) == 1
-    assert boundary_interval(100, 10, 999) == 10
-    assert boundary_interval(101, 10, 999) == 11
-    assert boundary_interval(1026, 154_000_000, 10**10) == 33
+    auto = EngineConfig()
+    assert boundary_interval(auto, 100, 10, 8000) == 1
+    assert boundary_interval(auto, 100, 10, 7999) == 10
+    assert boundary_interval(auto, 101, 10, 7999) == 11
+    assert boundary_interval(auto, 1026, 154_000_000, 8 * 10**10) == 33
+    assert boundary_interval(EngineConfig(boundary_every=4), 1026, 154_000_000, 8 * 10**10) == 4
 
 
 def test_kept_chunk_count_follows_budget():
@@ -109,7 +111,7 @@ def test_detached_differs_from_naive_and_drops_only_the_prompt_path(model_type):
     model = tiny_model(model_type, dtype=torch.float64)
     prompt, responses = group()
     g_naive, _ = grad_of(model, "naive", prompt, responses)
-    g_det, _ = grad_of(model, "detached", prompt, responses, config=ls.GRPOConfig(prompt_chunk=7))
+    g_det, _ = grad_of(model, "detached", prompt, responses, engine=ls.EngineConfig(prompt_chunk=7))
     assert rel_err(g_det, g_naive) > 1e-3
     # the same gradient from transformers, continuing each branch from a cache built without autograd
     # (fp32 bound: transformers computes norms and RoPE in fp32 even for fp64 weights)
@@ -125,9 +127,9 @@ def test_off_policy_with_clipping_exact_equals_naive(model_type):
     state = ls.capture(model, prompt)
     cur = ls.score(model, state, responses)
     old = [c + 0.4 * torch.randn_like(c) for c in cur]  # ratios well outside [0.8, 1.2] for some tokens
-    cfg = ls.GRPOConfig(prompt_chunk=7)
-    g_naive, s_naive = grad_of(model, "naive", prompt, responses, old_logprobs=old, config=cfg)
-    g_exact, s_exact = grad_of(model, "exact", prompt, responses, old_logprobs=old, config=cfg)
+    cfg = ls.EngineConfig(prompt_chunk=7)
+    g_naive, s_naive = grad_of(model, "naive", prompt, responses, old_logprobs=old, engine=cfg)
+    g_exact, s_exact = grad_of(model, "exact", prompt, responses, old_logprobs=old, engine=cfg)
     assert 0.0 < s_exact["clip_frac"] < 1.0
     assert s_exact["clip_frac"] == s_naive["clip_frac"]
     assert rel_err(g_exact, g_naive) <= 1e-10
@@ -138,10 +140,10 @@ def test_kl_term_exact_equals_naive():
     prompt, responses = group()
     ref_model = tiny_model(dtype=torch.float64, seed=7)
     ref = ls.score(ref_model, ls.capture(ref_model, prompt), responses)
-    cfg = ls.GRPOConfig(prompt_chunk=7, kl_coef=0.3)
-    g_naive, s_naive = grad_of(model, "naive", prompt, responses, ref_logprobs=ref, config=cfg)
-    g_exact, s_exact = grad_of(model, "exact", prompt, responses, ref_logprobs=ref, config=cfg)
-    g_nokl, _ = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=7))
+    cfg = dict(config=ls.GRPOConfig(kl_coef=0.3), engine=ls.EngineConfig(prompt_chunk=7))
+    g_naive, s_naive = grad_of(model, "naive", prompt, responses, ref_logprobs=ref, **cfg)
+    g_exact, s_exact = grad_of(model, "exact", prompt, responses, ref_logprobs=ref, **cfg)
+    g_nokl, _ = grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=7))
     assert s_exact["kl"] > 0 and s_exact["kl"] == pytest.approx(s_naive["kl"], rel=1e-10)
     assert rel_err(g_exact, g_naive) <= 1e-10
     assert rel_err(g_exact, g_nokl) > 1e-3
@@ -187,7 +189,7 @@ def test_bf16_step_matches_naive_loosely(model_type):
     model = tiny_model(model_type, dtype=torch.bfloat16)
     prompt, responses = group(prompt_len=64)
     g_naive, _ = grad_of(model, "naive", prompt, responses)
-    g_exact, stats = grad_of(model, "exact", prompt, responses, config=ls.GRPOConfig(prompt_chunk=16))
+    g_exact, stats = grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=16))
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     assert torch.isfinite(g_exact).all()
     assert rel_err(g_exact.float(), g_naive.float()) <= 3e-2

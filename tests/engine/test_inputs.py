@@ -55,7 +55,11 @@ def test_config_validation():
     with pytest.raises(ValidationError):
         ls.GRPOConfig(clip_low=1.5)
     with pytest.raises(ValidationError):
-        ls.GRPOConfig(prompt_chunk=0)
+        ls.EngineConfig(prompt_chunk=0)
+    with pytest.raises(ValidationError, match="moved from the loss's settings to the engine's"):
+        ls.GRPOConfig(prompt_chunk=64)  # an engine knob under grpo: names where it went
+    with pytest.raises(ValidationError):
+        ls.EngineConfig(boundary_every=True)
     with pytest.raises(ValidationError):
         ls.GRPOConfig(unknown_knob=1)
 

@@ -21,7 +21,7 @@ def test_score_equals_full_pass(model_type, prompt_len, chunk, branch_batch):
     model = tiny_model(model_type)
     prompt = torch.randint(0, 97, (prompt_len,))
     responses = [torch.randint(0, 97, (n,)) for n in (6, 1, 11, 3)]
-    state = ls.capture(model, prompt, chunk_size=chunk)
+    state = ls.capture(model, prompt, chunk)
     assert state.length == prompt_len - 1
     assert len(state.chunks) == -(-(prompt_len - 1) // chunk)
     scores = ls.score(model, state, responses, branch_batch=branch_batch)
@@ -42,7 +42,7 @@ def test_single_token_prompt_has_empty_state():
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
 def test_replays_leave_state_bitwise_unchanged(model_type):
     model = tiny_model(model_type)
-    state = ls.capture(model, torch.randint(0, 97, (30,)), chunk_size=8)
+    state = ls.capture(model, torch.randint(0, 97, (30,)), 8)
     before = state.snapshot()
     responses = [torch.randint(0, 97, (n,)) for n in (5, 9)]
     ls.score(model, state, responses, branch_batch=2)

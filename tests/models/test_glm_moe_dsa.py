@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import longstraw as ls
 import longstraw.models.common.mla as mla_module
+import longstraw.ops.sparse_attention as sparse_module
 from longstraw.engine.budget import activation_bytes_per_token
 from longstraw.state import LatentState, PrefixView, Segment
 from longstraw.state_size import state_size
@@ -160,7 +161,7 @@ def recorded_selections(monkeypatch):
     """Every select_topk call the MLA layers make, in call order: (first own position, index scores over all
     positions [B, T, L], (pos, valid))."""
     calls = []
-    real = mla_module.select_topk
+    real = sparse_module.select_topk
 
     def spy(blocks, k):
         blocks = list(blocks)
@@ -168,7 +169,7 @@ def recorded_selections(monkeypatch):
         calls.append((blocks[-1][0], torch.cat([b for _, b in blocks], dim=-1), out))
         return out
 
-    monkeypatch.setattr(mla_module, "select_topk", spy)
+    monkeypatch.setattr(sparse_module, "select_topk", spy)
     return calls
 
 
@@ -365,7 +366,7 @@ def test_continuation_with_prefix_scored_in_small_blocks(checkpoints, group, con
     5 tokens the running top-k is merged across many blocks, and the result is unchanged."""
     _, ours, _ = checkpoints[name]
     prompt, responses = group
-    monkeypatch.setattr(mla_module, "KEY_BLOCK", 5)
+    monkeypatch.setattr(sparse_module, "KEY_BLOCK", 5)
     got = ls.score(ours, ls.capture(ours, prompt, chunk_size=16), responses, branch_batch=2)
     for g, w in zip(got, continuations[name]):
         assert max_abs(g, w) <= 1e-4
@@ -399,7 +400,7 @@ def test_all_tied_scores_select_lowest_positions(checkpoints, group, recorded_se
     explicit mask that keeps exactly those positions (its DSA keeping everything)."""
     hf_dense, _, _ = checkpoints["dense"]
     ours = zero_indexers(checkpoints["sparse"][1])
-    monkeypatch.setattr(mla_module, "KEY_BLOCK", key_block)  # 4: ties across many prefix blocks
+    monkeypatch.setattr(sparse_module, "KEY_BLOCK", key_block)  # 4: ties across many prefix blocks
     prompt, responses = group
 
     ids = random_ids(1, 40, seed=6)
@@ -727,7 +728,7 @@ def test_exact_zero_graph_budget_and_branch_batch(naive_grads, monkeypatch, kind
     for budget in (0, 2 * 7 * activation_bytes_per_token(model)):
         g_exact, _ = grad_of(model, "exact", *grad_group(), prompt_chunk=7, prompt_graph_budget=budget, branch_batch=3)
         assert rel_err(g_exact, g_naive) <= 1e-10
-    monkeypatch.setattr(mla_module, "KEY_BLOCK", 3)  # prefix index scores streamed in blocks of 3
+    monkeypatch.setattr(sparse_module, "KEY_BLOCK", 3)  # prefix index scores streamed in blocks of 3
     g_exact, _ = grad_of(model, "exact", *grad_group(), prompt_chunk=5, prompt_graph_budget=0, branch_batch=2)
     assert rel_err(g_exact, g_naive) <= 1e-10
 

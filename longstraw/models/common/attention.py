@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attention import decode_attention, segment_attention
 from ...state import AttentionState, Segment
 from .mixer import TokenMixer
 from .rope import apply_rotary
+
+
+def _heads(s: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
+    return s.k, s.v
 
 
 class Attention(TokenMixer):
@@ -72,15 +75,7 @@ class Attention(TokenMixer):
         q = apply_rotary(q.transpose(1, 2), *rope)
         kv = self._kv(x, rope)
         seg.emit(self.layer_idx, kv)
-        rows, sink = seg.prefix_rows(self.layer_idx), seg.prefix_grad(self.layer_idx)
-        prefix = None if rows is None else (rows.k, rows.v)
-        if seg.cache is not None:
-            own = seg.cache.extend(self.layer_idx, kv)  # the branch's tokens so far, this one included
-            out = decode_attention(q, own.k, own.v, self.scale, prefix, parallel=seg.parallel,
-                                   own_visible=seg.cache.visible)
-        else:
-            out = segment_attention(q, kv.k, kv.v, self.scale, prefix, None if sink is None else (sink.k, sink.v),
-                                    parallel=seg.parallel)
+        out = seg.attend(self.layer_idx, q, seg.own_rows(self.layer_idx, kv), self.scale, _heads)
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))

@@ -13,14 +13,10 @@ dense and runs on the flash path instead.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.attention import decode_attention, segment_attention
-from ...ops.sparse_attention import KEY_BLOCK, select_topk, select_topk_sharded, sparse_latent_attention
 from ...state import LatentState, Segment
 from .mixer import TokenMixer
 from .norm import RMSNorm
@@ -36,6 +32,16 @@ def _rope_part(x: torch.Tensor, rope, rope_dim: int, first: bool) -> torch.Tenso
     if first:
         return torch.cat([apply_rotary_interleaved(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
     return torch.cat([x[..., :-rope_dim], apply_rotary_interleaved(x[..., -rope_dim:], cos, sin)], dim=-1)
+
+
+def _latent_heads(s: LatentState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA's one shared key/value head: [c_kv | k_rope] as both (values: its c_kv part)."""
+    kv = s.kv.unsqueeze(-3)
+    return kv, kv
+
+
+def _latent_rows(s: LatentState) -> torch.Tensor:
+    return s.kv
 
 
 class Indexer(nn.Module):
@@ -60,15 +66,11 @@ class Indexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5
         return q.float(), w
 
-    def scores(self, qw: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, causal: bool) -> torch.Tensor:
-        """sum_h w_h relu(q_h . k * scale): [B, T, L] for keys [L, D] (prefix, shared) or [B, L, D] (own tokens;
-        `causal` masks the positions after each query with -inf)."""
+    def scores(self, qw: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h relu(q_h . k * scale): [B, T, L] for keys [L, D] (prefix, shared) or [B, L, D] (own tokens)."""
         q, w = qw
         k = keys.float() if keys.dim() == 3 else keys.float().expand(q.shape[0], -1, -1)
-        s = torch.einsum("bth,bthl->btl", w, F.relu(torch.einsum("bthd,bld->bthl", q, k) * self.scale))
-        if causal:
-            s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        return s
+        return torch.einsum("bth,bthl->btl", w, F.relu(torch.einsum("bthd,bld->bthl", q, k) * self.scale))
 
 
 class MLAttention(TokenMixer):
@@ -109,31 +111,18 @@ class MLAttention(TokenMixer):
     def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> None:
         seg.emit(self.layer_idx, self._latent(x, rope))
 
-    def _select(self, x, q_resid, rope, own: LatentState, prefix: LatentState | None, seg: Segment, causal: bool):
-        """Top-k positions per query over prefix ++ own (None: every visible position fits in index_topk).
-        `causal`: own holds the segment's tokens (False when decoding: own is the branch so far, query last).
-        Sharded, `prefix` is this rank's rows and the selection is over the whole prefix."""
+    def _select(self, x, q_resid, rope, own: LatentState, seg: Segment):
+        """Top-k positions per query over the prefix and `own` (the segment's own rows; None: every visible
+        position fits in index_topk)."""
         if not hasattr(self, "indexer"):
             return seg.dsa_topk  # a "shared" layer reuses the last full indexer's selection
-        n = 0 if seg.prefix is None else seg.prefix.length  # the whole prefix's, on every rank
         sel = None
-        if self.index_topk < n + own.kv.shape[1]:
+        if self.index_topk < seg.prefix_length + own.tokens:
             with torch.no_grad():
                 qw = self.indexer.queries(x, q_resid, rope)
-                rows, offset = (0, 0) if prefix is None else (prefix.kv.shape[0], seg.prefix.offset)
-                # streamed: one block of prefix scores exists at a time. Looping over block numbers, not over
-                # range(0, rows, KEY_BLOCK), lets torch.compile keep `rows` symbolic: its guard is on the count
-                blocks = ((offset + b * KEY_BLOCK,
-                           self.indexer.scores(qw, prefix.index_k[b * KEY_BLOCK : (b + 1) * KEY_BLOCK], False))
-                          for b in range(-(-rows // KEY_BLOCK)))
-                own_scores = self.indexer.scores(qw, own.index_k, causal=causal)
-                if seg.cache is not None and (visible := seg.cache.visible) is not None:  # static decode: unwritten rows
-                    own_scores = own_scores.masked_fill(
-                        torch.arange(own_scores.shape[-1], device=own_scores.device) >= visible, float("-inf"))
-                if seg.parallel is None:
-                    sel = select_topk(itertools.chain(blocks, [(n, own_scores)]), self.index_topk)
-                else:
-                    sel = select_topk_sharded(blocks, (n, own_scores), self.index_topk, seg.parallel)
+                sel = seg.select_topk(self.layer_idx, self.index_topk,
+                                      lambda rows: self.indexer.scores(qw, rows.index_k),
+                                      self.indexer.scores(qw, own.index_k))
         seg.dsa_topk = sel
         return sel
 
@@ -147,31 +136,14 @@ class MLAttention(TokenMixer):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         qa = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_rope], dim=-1)  # [B, T, H, rank + rope]
 
-        own = self._latent(x, rope)
-        seg.emit(self.layer_idx, own)
-        prefix, grad = seg.prefix_rows(self.layer_idx), seg.prefix_grad(self.layer_idx)
-        decoding = seg.cache is not None
-        if decoding:  # own becomes the branch's tokens so far, this one included
-            own = seg.cache.extend(self.layer_idx, own)
-        sel = self._select(x, q_resid, rope, own, prefix, seg, causal=not decoding)
+        new = self._latent(x, rope)
+        seg.emit(self.layer_idx, new)
+        own = seg.own_rows(self.layer_idx, new)
+        sel = self._select(x, q_resid, rope, own, seg)
         if sel is None:  # dense: one shared head whose values are the keys; keep the c_kv part of the output
-            kv = own.kv[:, None]
-            pk = None if prefix is None else (prefix.kv[None], prefix.kv[None])
-            if decoding:
-                o = decode_attention(qa.transpose(1, 2), kv, kv, self.scale, pk, parallel=seg.parallel,
-                                     own_visible=seg.cache.visible)
-            else:
-                pg = None if grad is None else (grad.kv[None], grad.kv[None])
-                o = segment_attention(qa.transpose(1, 2), kv, kv, self.scale, prefix=pk, prefix_grad=pg,
-                                      parallel=seg.parallel)
+            o = seg.attend(self.layer_idx, qa.transpose(1, 2), own, self.scale, _latent_heads)
             o = o.transpose(1, 2)[..., : self.rank]
         else:
-            n = 0 if seg.prefix is None else seg.prefix.length
-            o = sparse_latent_attention(
-                qa, own.kv, None if prefix is None else prefix.kv, *sel, self.scale, self.rank,
-                None if grad is None else grad.kv, length=n, offset=0 if seg.prefix is None else seg.prefix.offset,
-                parallel=seg.parallel,
-            )
+            o = seg.attend_sparse(self.layer_idx, qa, own, sel, self.scale, self.rank, _latent_rows)
         out = torch.einsum("bthc,hvc->bthv", o, w_uv)
         return self.o_proj(out.reshape(b, t, -1))
-

@@ -1,0 +1,41 @@
+"""`EngineConfig`: how the engine runs a GRPO group (time and memory), apart from the loss (`GRPOConfig`). None of
+its settings changes the gradient."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_CHUNK = 2048
+
+
+class EngineConfig(BaseModel):
+    """Integers are strict: `boundary_every: true` is an error, not 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    prompt_chunk: int = Field(DEFAULT_CHUNK, ge=1, strict=True, description="tokens per prompt chunk in capture and the exact "
+                              "prompt backward")
+    branch_batch: int = Field(1, ge=1, strict=True, description="branches replayed together (right-padded)")
+    prompt_graph_budget: int | None = Field(
+        None, ge=0, strict=True, description="bytes of prompt-chunk autograd graphs exact mode keeps from capture instead of "
+        "recomputing those chunks in the prompt backward; default: a quarter of free memory")
+    boundary_every: int | None = Field(
+        None, ge=1, strict=True, description="exact mode with recurrent layers: keep their state at every k-th prompt-chunk "
+        "start and regenerate the others during the prompt backward; default: every one if they fit an eighth of "
+        "free memory, else k = ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)")
+
+
+def sqrt_interval(chunks: int) -> int:
+    """ceil(sqrt(chunks)): stored plus regenerated boundaries then stay near 2 sqrt(n) states."""
+    return max(1, math.isqrt(max(chunks, 1) - 1) + 1)
+
+
+def boundary_interval(engine: EngineConfig, chunks: int, fixed_bytes: int, free_bytes: int) -> int:
+    """The one boundary policy (engine, pipeline, planner): `engine.boundary_every` if set; else every boundary
+    when a rank's `chunks` boundaries of `fixed_bytes` each fit an eighth of `free_bytes`, else every
+    sqrt_interval-th, for one more no-grad forward of the prompt."""
+    if engine.boundary_every:
+        return engine.boundary_every
+    return 1 if chunks * fixed_bytes <= free_bytes // 8 else sqrt_interval(chunks)
