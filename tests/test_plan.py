@@ -11,7 +11,7 @@ import torch
 
 import longstraw as ls
 from longstraw.cli import main
-from longstraw.engine.budget import activation_bytes_per_token
+from longstraw.engine import activation_bytes_per_token
 from longstraw.plan import measured_activation_bytes, plan, smallest_fit
 from longstraw.state_size import state_size
 from tests.conftest import GLM, tiny_config

@@ -31,7 +31,7 @@ ARCHS = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
 def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
     model = sharpen(model_for(arch))
-    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
     kw = dict(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[3])
     batch = ls.rollout(model, state, n=4, seed=11, **kw)
     singles = [ls.rollout(model, state, n=1, seed=11 + i, **kw)[0] for i in range(4)]
@@ -46,7 +46,7 @@ def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sampling_logprobs_equal_score(arch):
     model = model_for(arch)
-    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
     samples = ls.rollout(model, state, n=3, max_new_tokens=12, temperature=1.0, seed=3)
     scored = ls.score(model, state, [s.tokens for s in samples])
     for s, ref in zip(samples, scored):
@@ -140,7 +140,7 @@ def test_sampling_without_host_sync_draws_from_the_distribution():
 def test_stop_checks_every_k_tokens_give_the_same_samples():
     """Asking whether all branches stopped only every k tokens decodes a little longer, never differently."""
     model = sharpen(model_for("qwen3"))
-    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
     kw = dict(n=4, max_new_tokens=12, temperature=1.0, stop_ids=[3, 5, 7], seed=5)
     every = ls.rollout(model, state, stop_check_every=1, **kw)
     sparse = ls.rollout(model, state, stop_check_every=8, **kw)
@@ -155,7 +155,7 @@ def test_stop_checks_every_k_tokens_give_the_same_samples():
 def test_branch_slices_draw_what_one_call_draws():
     """Data-parallel groups each sample a slice of a GRPO group (`first_branch`): together, the same answers."""
     model = model_for("qwen3_5_text")
-    state = ls.capture(model, torch.randint(0, 97, (40,)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
     kw = dict(max_new_tokens=10, temperature=1.0, seed=7, stop_ids=[3])
     whole = ls.rollout(model, state, n=4, **kw)
     slices = ls.rollout(model, state, n=2, **kw) + ls.rollout(model, state, n=2, first_branch=2, **kw)

@@ -32,7 +32,7 @@ def test_compiled_decode_equals_eager(arch, dtype, backend):
     torch._dynamo.reset()
     counters.clear()
     model = _model(arch, dtype)
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
     kw = dict(n=3, max_new_tokens=24, temperature=1.0, seed=5)
     eager = ls.rollout(model, state, **kw)
     compiled = ls.rollout(model, state, compile=backend, **kw)
@@ -44,7 +44,7 @@ def test_compiled_decode_equals_eager(arch, dtype, backend):
     # the first token, the second, then one graph with symbolic sizes for the other 22: not one per token
     assert counters["stats"]["unique_graphs"] <= 3
     # a second rollout (other prompt, other seed) reuses them
-    again = ls.capture(model, torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(3)), chunk_size=16)
+    again = ls.capture(model, torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(3)), 16)
     graphs = counters["stats"]["unique_graphs"]
     kw["seed"] = 6
     for a, b in zip(ls.rollout(model, again, **kw), ls.rollout(model, again, compile=backend, **kw)):
@@ -65,7 +65,7 @@ def _nan_cache(model):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_static_decode_equals_the_dynamic_one(arch):
     model = _model(arch, torch.float32)
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
     kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5, stop_ids=[3])
     dynamic = ls.rollout(model, state, **kw)
     static = ls.rollout(_nan_cache(model), state, static_shapes=True, **kw)
@@ -80,7 +80,7 @@ def test_static_decode_compiles_one_graph(arch, backend):
     torch._dynamo.reset()
     counters.clear()
     model = _nan_cache(_model(arch, torch.float32))
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
     kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5)
     for a, b in zip(ls.rollout(model, state, **kw), ls.rollout(model, state, compile=backend, static_shapes=True, **kw)):
         assert torch.equal(a.tokens, b.tokens)

@@ -35,7 +35,7 @@ def model_for(arch: str, dtype: torch.dtype = torch.float32):
 
 def captured(arch: str, dtype: torch.dtype = torch.float32):
     model = model_for(arch, dtype)
-    state = ls.capture(model, torch.randint(0, 97, (PROMPT,)), chunk_size=16)
+    state = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
     return model, state, WV
 
 
@@ -166,7 +166,7 @@ def test_killed_writer_leaves_nothing_committed(tmp_path, monkeypatch):
 
 def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
     model, old, wv = captured("qwen3")
-    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), chunk_size=16)
+    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
     url = str(tmp_path / "state")
     save_state(old, url, weights_version=wv, shard_tokens=8)
     _kill_after(monkeypatch, 12)
@@ -185,7 +185,7 @@ def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
 def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkeypatch, previous, which):
     """`which` commit marker dies: the shard's (inside the temporary) or the state's (the swap's last step)."""
     model, old, wv = captured("qwen3")
-    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), chunk_size=16)
+    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
     url = tmp_path / "state"
     if previous:
         save_state(old, str(url), weights_version=wv, shard_tokens=8)

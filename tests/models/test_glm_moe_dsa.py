@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import longstraw as ls
 import longstraw.models.common.mla as mla_module
 import longstraw.ops.sparse_attention as sparse_module
-from longstraw.engine.budget import activation_bytes_per_token
+from longstraw.engine import activation_bytes_per_token
 from longstraw.state import LatentState, PrefixView, Segment
 from longstraw.state_size import state_size
 from tests.conftest import assert_same_parameters, flat_grad, rel_err
@@ -249,7 +249,7 @@ def test_load_bfloat16_keeps_router_and_indexer_head_fp32(checkpoints):
     assert rel_err(got.float(), want) <= 5e-2
     assert max_abs(got, want) > 0  # bf16 really in use
     # the prefix state follows the model dtype
-    state = ls.capture(ours16, ids[0], chunk_size=16)
+    state = ls.capture(ours16, ids[0], 16)
     assert all(t.dtype == torch.bfloat16 for layer in state.layers for t in layer.tensors())
 
 
@@ -317,7 +317,7 @@ def test_config_variants_match_transformers(tmp_path, group, variant):
         got = ours(ids)
     assert max_abs(got, hf_logits(hf, ids)) <= 1e-4
     prompt, responses = group
-    got = ls.score(ours, ls.capture(ours, prompt, chunk_size=16), responses, branch_batch=3)
+    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, branch_batch=3)
     for g, w in zip(got, hf_continuation(hf, prompt, responses)):
         assert max_abs(g, w) <= 1e-4
 
@@ -346,7 +346,7 @@ def continuations(checkpoints, group):
 def test_continuation_logprobs(checkpoints, group, continuations, recorded_selections, name, chunk, branch_batch):
     _, ours, _ = checkpoints[name]
     prompt, responses = group
-    state = ls.capture(ours, prompt, chunk_size=chunk)
+    state = ls.capture(ours, prompt, chunk)
     assert state.length == P - 1
     assert state.chunks[-1][1] == P - 1
     got = ls.score(ours, state, responses, branch_batch=branch_batch)
@@ -367,7 +367,7 @@ def test_continuation_with_prefix_scored_in_small_blocks(checkpoints, group, con
     _, ours, _ = checkpoints[name]
     prompt, responses = group
     monkeypatch.setattr(sparse_module, "KEY_BLOCK", 5)
-    got = ls.score(ours, ls.capture(ours, prompt, chunk_size=16), responses, branch_batch=2)
+    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, branch_batch=2)
     for g, w in zip(got, continuations[name]):
         assert max_abs(g, w) <= 1e-4
 
@@ -410,7 +410,7 @@ def test_all_tied_scores_select_lowest_positions(checkpoints, group, recorded_se
     assert max_abs(got, hf_logits(hf_dense, ids)) > 1e-2  # the mask matters
 
     recorded_selections.clear()
-    state = ls.capture(ours, prompt, chunk_size=9)
+    state = ls.capture(ours, prompt, 9)
     got = ls.score(ours, state, responses, branch_batch=3)
     want = hf_continuation(hf_dense, prompt, responses, mask_k=SPARSE_K)
     for g, w in zip(got, want):
@@ -602,7 +602,7 @@ def test_prefix_state_matches_transformers_cache(checkpoints, group, name):
     cache = transformers.DynamicCache(config=hf.config)
     with torch.no_grad():
         hf(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
-    state = ls.capture(ours, prompt, chunk_size=16)
+    state = ls.capture(ours, prompt, 16)
     types = list(hf.config.indexer_types)
     assert len(state.layers) == 4
     for i, (s, c) in enumerate(zip(state.layers, cache.layers)):
@@ -634,7 +634,7 @@ def test_prefix_state_matches_transformers_cache(checkpoints, group, name):
 def test_state_unchanged_by_score(checkpoints, group):
     _, ours, _ = checkpoints["sparse"]
     prompt, responses = group
-    state = ls.capture(ours, prompt, chunk_size=16)
+    state = ls.capture(ours, prompt, 16)
     snapshot = state.snapshot()
     first = ls.score(ours, state, responses, branch_batch=3)
     again = ls.score(ours, state, responses, branch_batch=1)
@@ -679,9 +679,9 @@ def grad_group(seed: int = 0):
     return prompt, [torch.randint(0, VOCAB, (n,), generator=g) for n in G_LENGTHS]
 
 
-def grad_of(model, mode, prompt, responses, **cfg):
+def grad_of(model, mode, prompt, responses, **engine):
     model.zero_grad(set_to_none=True)
-    stats = ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=ls.GRPOConfig(**cfg))
+    stats = ls.grpo_backward(model, prompt, responses, ADV, mode=mode, engine=ls.EngineConfig(**engine))
     return flat_grad(model), stats
 
 

@@ -19,7 +19,7 @@ from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 def captured(arch: str, tokens: int = 30):
     torch.manual_seed(0)
     model = ls.build_model(GLM) if arch == "glm_moe_dsa" else tiny_model(arch)
-    return model, ls.capture(model, torch.randint(0, 97, (tokens + 1,)), chunk_size=8)
+    return model, ls.capture(model, torch.randint(0, 97, (tokens + 1,)), 8)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "glm_moe_dsa"])
@@ -130,7 +130,7 @@ def test_a_fourth_kind_gets_the_exact_gradient(decay_model):
 
 def test_a_fourth_kind_is_stored_and_decoded(decay_model, tmp_path):
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
-    state = ls.capture(decay_model, prompt, chunk_size=6)
+    state = ls.capture(decay_model, prompt, 6)
     assert isinstance(state.layers[1], DecayState)
     save_state(state, str(tmp_path / "s"), weights_version="w", shard_tokens=5)
     back = load_state(str(tmp_path / "s"), model=decay_model, weights_version="w")
