@@ -469,7 +469,7 @@ def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, 
             ex = make_problem(task, 40_000_000 + k, tokens, tok)
             k += 1
             prompt = torch.tensor(prompt_ids(tok, ex))
-            state = ls.capture(model_, prompt, chunk_size=cfg.grpo.prompt_chunk)
+            state = ls.capture(model_, prompt, cfg.engine)
             samples = ls.rollout(model_, state, n=cfg.responses, max_new_tokens=spec.max_new_tokens,
                                  temperature=cfg.temperature, stop_ids=[tok.eos_id], seed=1_000 * k)
             del state

@@ -51,8 +51,8 @@ def worker(args: argparse.Namespace) -> None:
     prompt = torch.randint(0, vocab, (args.P,), generator=gen)
     responses = [torch.randint(0, vocab, (args.R,), generator=gen) for _ in range(args.G)]
     adv = ls.group_advantages(torch.rand(args.G, generator=gen, dtype=torch.float64))
-    cfg = ls.GRPOConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0)
-    ls.grpo_backward(model, prompt[:256], responses[:2], adv[:2] - adv[:2].mean(), config=cfg, parallel=sp)
+    cfg = ls.EngineConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0)
+    ls.grpo_backward(model, prompt[:256], responses[:2], adv[:2] - adv[:2].mean(), engine=cfg, parallel=sp)
     model.zero_grad(set_to_none=True)
     release_freed()
     sp.bytes_communicated = 0
@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     before = current_bytes()
     reset_peak()
     t0 = time.perf_counter()
-    stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", config=cfg, parallel=sp)
+    stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", engine=cfg, parallel=sp)
     wall = time.perf_counter() - t0
     grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])
     out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,

@@ -84,7 +84,7 @@ def worker(params: dict) -> dict:
     responses = [torch.randint(0, vocab, (r_len,), generator=gen) for _ in range(g)]
     rewards = torch.rand(g, generator=gen, dtype=torch.float64)
     advantages = ls.group_advantages(rewards)  # zero mean: both signs
-    cfg = ls.GRPOConfig(prompt_chunk=params["prompt_chunk"], prompt_graph_budget=budget, branch_batch=params["branch_batch"])
+    cfg = ls.EngineConfig(prompt_chunk=params["prompt_chunk"], prompt_graph_budget=budget, branch_batch=params["branch_batch"])
 
     # How many prompt chunks exact mode keeps the graph of (the library's own rule, evaluated just before the call).
     chunks = chunk_ranges(p_len - 1, cfg.prompt_chunk)
@@ -96,7 +96,7 @@ def worker(params: dict) -> dict:
         # one small call of the same mode first, so one-time costs (kernel set-up, first page faults) are not
         # charged to the measured step
         ls.grpo_backward(model, prompt[: min(p_len, 256)], responses[:2], advantages[:2] - advantages[:2].mean(),
-                         mode=lib_mode, config=cfg)
+                         mode=lib_mode, engine=cfg)
         model.zero_grad(set_to_none=True)
         release_freed()
 
@@ -105,7 +105,7 @@ def worker(params: dict) -> dict:
     rss_before = _rss_bytes()
     reset_peak()
     c0, t0 = time.process_time(), time.perf_counter()
-    stats = ls.grpo_backward(model, prompt, responses, advantages, mode=lib_mode, config=cfg)
+    stats = ls.grpo_backward(model, prompt, responses, advantages, mode=lib_mode, engine=cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = peak_bytes()
 

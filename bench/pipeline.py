@@ -56,7 +56,7 @@ def run(args, nproc: int, d: Path) -> dict:
 
     cfg = TrainConfig.model_validate(dict(
         model={"random": model_config(args)}, prompt_tokens=args.P, steps=args.steps, groups=1, responses=args.G,
-        max_new_tokens=8, reward="digit_overlap", grpo={"prompt_chunk": args.chunk}, run_dir=str(d / "run"),
+        max_new_tokens=8, reward="digit_overlap", engine={"prompt_chunk": args.chunk}, run_dir=str(d / "run"),
         threads=1, pipeline={"nproc": nproc, "branches_per_task": 1, "retries": 0}))
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "PREFECT_HOME": str(d / "prefect"), "PYTHONPATH": str(ROOT)}

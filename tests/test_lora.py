@@ -65,8 +65,8 @@ def reference_grads(peft_model, prompt, responses, cfg: GRPOConfig) -> dict[str,
 def test_exact_mode_adapter_gradients_equal_peft_on_transformers(tmp_path, model_type):
     peft_model, ours = with_adapter(tmp_path, model_type)
     prompt, responses = group(ours.config.vocab_size)
-    cfg = GRPOConfig(prompt_chunk=16)
-    ls.grpo_backward(ours, prompt, responses, ADV, mode="exact", config=cfg)
+    cfg = GRPOConfig()
+    ls.grpo_backward(ours, prompt, responses, ADV, mode="exact", config=cfg, engine=ls.EngineConfig(prompt_chunk=16))
     want = reference_grads(peft_model, prompt, responses, cfg)
     got = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     # qwen3: 5 targets x 3 layers; qwen3_5: the MLP's 2 in all 8 layers, q/v/o_proj in its 2 attention layers
@@ -164,7 +164,7 @@ def test_all_modes_with_adapters_in_every_family(arch, targets):
     grads = {}
     for mode in ("naive", "exact", "detached"):
         base.zero_grad(set_to_none=True)
-        ls.grpo_backward(base, prompt, responses, ADV, mode=mode, config=GRPOConfig(prompt_chunk=16))
+        ls.grpo_backward(base, prompt, responses, ADV, mode=mode, engine=ls.EngineConfig(prompt_chunk=16))
         assert all(p.grad is None for p in base.parameters() if not p.requires_grad)
         grads[mode] = torch.cat([p.grad.flatten() for p in base.parameters() if p.requires_grad])
     assert rel_err(grads["exact"], grads["naive"]) <= 1e-10

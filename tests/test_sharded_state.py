@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 import longstraw as ls
-from longstraw.engine.backward import prompt_backward, replay_backward
 from longstraw.files import CorruptArtefact
-from longstraw.grpo import token_weights
 from longstraw.parallel import SequenceParallel, balanced_ranges
 from longstraw.parallel.objects import gather_json
 from longstraw.sharded_state import (commit_sharded_state, load_state, load_state_shard, read_sharded_manifest,
@@ -30,12 +29,25 @@ EVERY = 2
 LENGTHS = (5, 2, 7)
 ADV = [1.0, -0.3, -0.7]
 WV = "weights-0"  # the pipeline names weights by a lineage id: any string here
+# keep the boundary states at every EVERY-th chunk start, and no chunk graphs (the state holds every boundary)
+EXACT = ls.EngineConfig(prompt_chunk=CHUNK, boundary_every=EVERY, prompt_graph_budget=0)
 
 
 def group():
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 97, (PROMPT,), generator=g)
     return prompt, [torch.randint(0, 97, (n,), generator=g) for n in LENGTHS]
+
+
+def capture_exact(model, prompt, parallel=ls.ONE_RANK) -> ls.PrefixState:
+    """A capture for exact mode's prompt backward: boundaries at chunks 0, EVERY, 2 EVERY, ..."""
+    return ls.capture(model, prompt, EXACT, parallel=parallel, exact=True)
+
+
+def rows(state: ls.PrefixState) -> tuple[int, int]:
+    """The token range of the rows a state holds: a loaded one-shard state's `shard` None means all of them, as
+    a captured single-process state's (0, length) does."""
+    return state.shard or (0, state.length)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -48,8 +60,8 @@ def assert_same_state(a: ls.PrefixState, b: ls.PrefixState) -> None:
     for x, y in zip(a.snapshot(), b.snapshot()):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
     assert torch.equal(a.prompt_ids, b.prompt_ids) and a.prompt_ids.dtype == b.prompt_ids.dtype
-    assert (a.chunks, a.shard, a.boundary_every, a.model_fingerprint) == (b.chunks, b.shard, b.boundary_every,
-                                                                        b.model_fingerprint)
+    assert (a.chunks, rows(a), a.boundary_every, a.model_fingerprint) == (b.chunks, rows(b), b.boundary_every,
+                                                                          b.model_fingerprint)
     assert sorted(a.boundaries) == sorted(b.boundaries)
     for c in a.boundaries:
         assert sorted(a.boundaries[c]) == sorted(b.boundaries[c])
@@ -65,18 +77,17 @@ def save_one(state: ls.PrefixState, url: str, wv: str) -> dict:
     return commit_sharded_state(url, [record], state=state, weights_version=wv, extra={"step": 3})
 
 
-def exact_grad_from(model, state: ls.PrefixState, responses, parallel=None) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_grad_from(model, state: ls.PrefixState, responses,
+                    parallel=ls.ONE_RANK) -> tuple[torch.Tensor, torch.Tensor]:
     """(after the branches only, after the prompt backward too): exact mode run on a given state."""
-    cfg = ls.GRPOConfig(prompt_chunk=CHUNK)
+    loss = ls.GRPOConfig()
     model.zero_grad(set_to_none=True)
-    grad = state.grad_buffer()
-    totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
-    weights = token_weights([r.numel() for r in responses], cfg)
-    replay_backward(model, state, responses, torch.tensor(ADV, dtype=torch.float64), weights, cfg, None, None, grad,
-                    totals, parallel=parallel)
-    branches = flat_grad(model).clone()
-    prompt_backward(model, state, grad, {}, False, parallel)
-    return branches, flat_grad(model)
+    branches = ls.Branches.group(responses, ADV, loss, vocab_size=model.config.vocab_size)
+    dstate = ls.new_dstate(state)
+    ls.replay(model, state, branches, loss, dstate, engine=EXACT, parallel=parallel)
+    after_branches = flat_grad(model).clone()
+    ls.prompt_backward(model, state, dstate, parallel=parallel)
+    return after_branches, flat_grad(model)
 
 
 def naive_grad(model, prompt, responses) -> torch.Tensor:
@@ -90,7 +101,7 @@ def naive_grad(model, prompt, responses) -> torch.Tensor:
 def test_one_shard_round_trip_is_bitwise_with_boundaries(tmp_path, arch, dtype):
     model = tiny_model(arch, dtype=dtype)
     prompt, responses = group()
-    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    state = capture_exact(model, prompt)
     assert sorted(state.boundaries) == [0, 2, 4] and state.boundary_every == EVERY
     if arch == "qwen3_5":  # the Gated DeltaNet layers: 6 of 8 keep a boundary state
         assert all(len(b) == 6 for b in state.boundaries.values())
@@ -113,24 +124,26 @@ def test_exact_prompt_backward_from_stored_boundaries_equals_naive(tmp_path, arc
     model = tiny_model(arch, dtype=torch.float64)
     prompt, responses = group()
     want = naive_grad(model, prompt, responses)
-    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    state = capture_exact(model, prompt)
     if source == "loaded":
         wv = WV
         save_one(state, str(tmp_path / "state"), wv)
         state = load_state_shard(str(tmp_path / "state"), 0, 1, model=model, weights_version=wv)
     assert sorted(state.boundaries) == [0, 2, 4]
     branches, exact = exact_grad_from(model, state, responses)
+    assert sorted(state.boundaries) == [0, 2, 4]  # the prompt backward leaves the state's boundaries as they are
     assert rel_err(exact, want) <= 1e-10
     assert rel_err(branches, want) > 1e-3  # the prompt backward is what closes the gap
 
 
 def test_save_state_is_the_one_shard_state(tmp_path):
     """A single process's `save_state` / `load_state` write and read exactly what rank 0 of 1 does (boundaries
-    included), and the loaded state holds all rows (`shard` None): the one-process engine takes it as is."""
+    included), and the loaded state holds all rows (`shard` None, as the captured one's (0, length)): the
+    one-process engine takes it as is."""
     model = tiny_model("qwen3_5")
     prompt, responses = group()
-    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
-    assert state.shard is None
+    state = capture_exact(model, prompt)
+    assert state.shard == (0, PROMPT - 1)  # a single process's state is a one-shard state
     one, ranked = str(tmp_path / "one"), str(tmp_path / "ranked")
     top = save_state(state, one, weights_version=WV, shard_tokens=16, extra={"step": 3})
     assert top == save_one(state, ranked, WV) == read_sharded_manifest(one)  # rank 0 of 1 wrote range [0, 39)
@@ -201,7 +214,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     model = tiny_model("qwen3_5", dtype=torch.float64)
     prompt, responses = group()
     wv = WV
-    state = ls.capture(model, prompt, CHUNK, parallel=sp, boundary_every=EVERY)
+    state = capture_exact(model, prompt, sp)
     if rank == 0:
         uncommit(root)
     dist.barrier()  # the old commit marker is gone before any owner rewrites its shard
@@ -212,8 +225,9 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     dist.barrier()
     loaded = load_state_shard(root, rank, world, model=model, weights_version=wv)
     assert_same_state(state, loaded)
-    kept = torch.tensor(sorted(loaded.boundaries))  # before the prompt backward uses them up
+    kept = torch.tensor(sorted(loaded.boundaries))
     branches, exact = exact_grad_from(model, loaded, responses, sp)
+    assert sorted(loaded.boundaries) == kept.tolist()  # the prompt backward leaves them as they are
     return {"grad": exact, "branches": branches, "boundaries": kept, "shard": torch.tensor(loaded.shard),
             "range": torch.tensor(record["range"])}
 
@@ -250,7 +264,7 @@ def test_two_ranks_write_their_own_shards_and_get_the_exact_gradient(tmp_path):
 def stored(tmp_path):
     model = tiny_model("qwen3_5")
     prompt, _ = group()
-    state = ls.capture(model, prompt, CHUNK, boundary_every=EVERY)
+    state = capture_exact(model, prompt)
     wv = WV
     url = str(tmp_path / "state")
     return model, state, wv, url, save_one(state, url, wv)
@@ -330,7 +344,7 @@ def test_commit_refuses_records_that_do_not_tile_the_prompt(stored):
 def test_capture_refuses_a_bad_boundary_interval():
     model = tiny_model("qwen3")
     prompt, _ = group()
-    for bad in (0, -1, 1.5):
-        with pytest.raises(ValueError, match="boundary_every must be an integer >= 1"):
-            ls.capture(model, prompt, CHUNK, boundary_every=bad)
+    for bad in (0, -1, 1.5, True):  # EngineConfig refuses it: integers >= 1 only, strictly
+        with pytest.raises(ValidationError, match=r"boundary_every\n"):
+            ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK, boundary_every=bad), exact=True)
     assert ls.capture(model, prompt, CHUNK).boundaries == {}  # the default keeps none

@@ -30,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import longstraw as ls  # noqa: E402
-from longstraw.grpo import GRPOConfig  # noqa: E402
 
 H200_BF16_FLOPS = 989e12  # dense bf16 peak of one H200 (SXM), the MFU denominator
 
@@ -111,7 +110,7 @@ def parity(device: torch.device, dtype: torch.dtype) -> dict:
     grads = []
     for m in (dev, ref):
         m.zero_grad(set_to_none=True)
-        ls.grpo_backward(m, prompt, responses, adv, mode="exact", config=GRPOConfig(prompt_chunk=64))
+        ls.grpo_backward(m, prompt, responses, adv, mode="exact", engine=ls.EngineConfig(prompt_chunk=64))
         grads.append(torch.cat([p.grad.float().flatten().cpu() for p in m.parameters() if p.grad is not None]))
     out["exact_grad_rel_err"] = float((grads[0] - grads[1]).norm() / grads[1].norm())
     return out
@@ -155,7 +154,7 @@ def step(model, cfg: dict, p: int, g: int, r: int, mode: str, device, chunk: int
     _sync(device)
     t0 = time.perf_counter()
     ls.grpo_backward(model, prompt, responses, adv - adv.mean(), mode=mode,
-                     config=GRPOConfig(prompt_chunk=chunk, prompt_graph_budget=0))
+                     engine=ls.EngineConfig(prompt_chunk=chunk, prompt_graph_budget=0))
     _sync(device)
     out = {"P": p, "G": g, "R": r, "mode": mode, "seconds": time.perf_counter() - t0, "peak_bytes": _peak(device)}
     model.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ import torch
 import longstraw as ls
 from longstraw.engine import activation_bytes_per_token
 from longstraw.grpo import token_weights
-from tests.conftest import flat_grad, rel_err, tiny_config, tiny_model
+from tests.conftest import flat_grad, rel_err, tiny_model
 
 G_LENGTHS = (5, 1, 9, 4)
 ADV = [1.0, -0.5, 0.7, -1.2]

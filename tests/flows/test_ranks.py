@@ -141,7 +141,7 @@ def test_lora_under_zero3_on_two_ranks_matches_one_rank(tmp_path):
                         ("single", {})):
         # with a KL term: the reference (update 0's base weights) is loaded the sharded way too under ZeRO-3
         cfg = config(tmp_path / name, dtype="float64", threads=1, lora=lora,
-                     grpo={"prompt_chunk": 128, "kl_coef": 0.05}, **extra)
+                     grpo={"kl_coef": 0.05}, **extra)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         if name == "z3":  # resumed: rank 0 alone reads the base weights and the adapter

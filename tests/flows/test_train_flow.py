@@ -29,7 +29,7 @@ OPS = ("start", "capture", "rollout", "replay", "prompt", "optimizer")
 def config(run_dir, **kw) -> dict:
     model = tiny_config("qwen3", vocab_size=260, max_position_embeddings=1024, num_hidden_layers=2)
     base = dict(model={"random": model}, prompt_tokens=256, steps=2, groups=1, responses=4, max_new_tokens=6,
-                reward="tests.flows.rewards:digit_share", grpo={"prompt_chunk": 128}, run_dir=str(run_dir),
+                reward="tests.flows.rewards:digit_share", engine={"prompt_chunk": 128}, run_dir=str(run_dir),
                 optim={"lr": 1e-2}, pipeline={"branches_per_task": 1, "retries": 0})
     return TrainConfig.model_validate(base | kw).model_dump(mode="json")
 
@@ -250,7 +250,7 @@ def test_code_digest_covers_every_library_source(tmp_path):
 def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
     from mlflow import MlflowClient
 
-    cfg = config(tmp_path / "run", steps=1, grpo={"prompt_chunk": 128, "kl_coef": 0.05})
+    cfg = config(tmp_path / "run", steps=1, grpo={"kl_coef": 0.05})
     out = grpo_train(cfg, progress=False)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("longstraw")

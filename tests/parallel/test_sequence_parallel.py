@@ -36,7 +36,7 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
     sp = SequenceParallel()
     m = model(arch)
     prompt, responses = group(arch)
-    cfg = ls.GRPOConfig(prompt_chunk=CHUNK, prompt_graph_budget=0)
+    cfg = ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0)
     state = ls.capture(m, prompt, CHUNK, parallel=sp)
     out = {f"state.{i}.{j}": t for i, layer in enumerate(state.layers) for j, t in enumerate(layer.tensors())}
     out |= {f"logp.{i}": lp for i, lp in enumerate(ls.score(m, state, responses, parallel=sp))}
@@ -44,11 +44,11 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
     out |= {f"greedy.{i}": s.tokens for i, s in enumerate(samples)}
     for mode in ("detached", "exact"):
         m.zero_grad(set_to_none=True)
-        ls.grpo_backward(m, prompt, responses, ADV, mode=mode, config=cfg, parallel=sp)
+        ls.grpo_backward(m, prompt, responses, ADV, mode=mode, engine=cfg, parallel=sp)
         out[f"grad.{mode}"] = flat_grad(m)
     # exact again, the last chunks' graphs kept from capture instead of recomputed
     m.zero_grad(set_to_none=True)
-    ls.grpo_backward(m, prompt, responses, ADV, mode="exact", config=cfg.model_copy(update={"prompt_graph_budget": None}),
+    ls.grpo_backward(m, prompt, responses, ADV, mode="exact", engine=cfg.model_copy(update={"prompt_graph_budget": None}),
                      parallel=sp)
     out["grad.exact_kept"] = flat_grad(m)
     return out
@@ -62,7 +62,7 @@ def reference(arch: str) -> tuple[torch.nn.Module, ls.PrefixState, dict[str, tor
     out |= {f"greedy.{i}": s.tokens for i, s in enumerate(ls.rollout(m, state, n=2, max_new_tokens=6, temperature=0))}
     for mode in ("naive", "detached", "exact"):
         m.zero_grad(set_to_none=True)
-        ls.grpo_backward(m, prompt, responses, ADV, mode=mode, config=ls.GRPOConfig(prompt_chunk=CHUNK))
+        ls.grpo_backward(m, prompt, responses, ADV, mode=mode, engine=ls.EngineConfig(prompt_chunk=CHUNK))
         out[f"grad.{mode}"] = flat_grad(m)
     return m, state, out
 
@@ -100,8 +100,8 @@ def test_sharded_state_matches_one_process(arch, world):
 def sparse_boundary_rank(rank: int, world: int, every: int) -> dict[str, torch.Tensor]:
     m = model("qwen3_5_text")
     prompt, responses = group("qwen3_5_text")
-    cfg = ls.GRPOConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=every)
-    stats = ls.grpo_backward(m, prompt, responses, ADV, config=cfg, parallel=SequenceParallel())
+    cfg = ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=every)
+    stats = ls.grpo_backward(m, prompt, responses, ADV, engine=cfg, parallel=SequenceParallel())
     return {"grad": flat_grad(m), "peak_state_bytes": torch.tensor(stats["peak_state_bytes"])}
 
 
@@ -112,7 +112,7 @@ def test_sparse_boundaries_are_regenerated_by_all_ranks(world, every):
     boundary bytes per rank."""
     m = model("qwen3_5_text")
     prompt, responses = group("qwen3_5_text")
-    ls.grpo_backward(m, prompt, responses, ADV, mode="naive", config=ls.GRPOConfig(prompt_chunk=CHUNK))
+    ls.grpo_backward(m, prompt, responses, ADV, mode="naive", engine=ls.EngineConfig(prompt_chunk=CHUNK))
     want = flat_grad(m)
     sparse, dense = run_ranks(world, sparse_boundary_rank, every), run_ranks(world, sparse_boundary_rank, 1)
     for s, d in zip(sparse, dense):
@@ -137,7 +137,7 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
             ls.capture(m, prompt if rank else prompt.flip(0), CHUNK, parallel=sp)
         elif case == "different responses":
             rs = responses if rank else responses[::-1]
-            ls.grpo_backward(m, prompt, rs, ADV, config=ls.GRPOConfig(prompt_chunk=CHUNK), parallel=sp)
+            ls.grpo_backward(m, prompt, rs, ADV, engine=ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         elif case == "prompt shorter than the group":
             ls.capture(m, prompt[:world], CHUNK, parallel=sp)
         elif case == "state of another group":
@@ -170,7 +170,7 @@ def branch_parallel_rank(rank: int, world: int, arch: str, dp: int, mode: str) -
     m = model(arch)
     prompt, responses = group(arch)
     responses = responses + responses[:1]  # G = 4: divisible by the data-parallel groups
-    stats = ls.grpo_backward(m, prompt, responses, ADV + [0.4], mode=mode, config=ls.GRPOConfig(prompt_chunk=CHUNK),
+    stats = ls.grpo_backward(m, prompt, responses, ADV + [0.4], mode=mode, engine=ls.EngineConfig(prompt_chunk=CHUNK),
                              parallel=sp)
     return {"grad": flat_grad(m), "loss": torch.tensor(stats["loss"], dtype=torch.float64)}
 
@@ -182,12 +182,12 @@ def test_branch_groups_split_the_branches(world, dp, arch, mode):
     m = model(arch)
     prompt, responses = group(arch)
     stats = ls.grpo_backward(m, prompt, responses + responses[:1], ADV + [0.4], mode="naive",
-                             config=ls.GRPOConfig(prompt_chunk=CHUNK))
+                             engine=ls.EngineConfig(prompt_chunk=CHUNK))
     want = flat_grad(m)
     if mode == "detached":
         m.zero_grad(set_to_none=True)
         ls.grpo_backward(m, prompt, responses + responses[:1], ADV + [0.4], mode=mode,
-                         config=ls.GRPOConfig(prompt_chunk=CHUNK))
+                         engine=ls.EngineConfig(prompt_chunk=CHUNK))
         want = flat_grad(m)
     ranks = run_ranks(world, branch_parallel_rank, arch, dp, mode, timeout=120)
     for r in ranks:
@@ -222,7 +222,7 @@ def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys, zero):
     from longstraw.cli import main
 
     cfg = {"model": {"random": tiny_config("qwen3_5_text")}, "prompt_tokens": 60, "responses": 4,
-           "response_tokens": [3, 6], "modes": ["naive", "exact"], "threads": 1, "grpo": {"prompt_chunk": 16}}
+           "response_tokens": [3, 6], "modes": ["naive", "exact"], "threads": 1, "engine": {"prompt_chunk": 16}}
     path = tmp_path / "step.yaml"
     path.write_text(yaml.safe_dump(cfg))
     extra = [] if zero is None else ["--zero", str(zero)]

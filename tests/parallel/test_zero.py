@@ -58,7 +58,7 @@ def zero_rank(rank: int, world: int, arch: str, stage: int, dp: int, dtype: str,
     prompt, responses = _responses(arch)
     out = {}
     for update in range(2):
-        ls.grpo_backward(m, prompt, responses, ADV4, config=ls.GRPOConfig(prompt_chunk=CHUNK), parallel=sp)
+        ls.grpo_backward(m, prompt, responses, ADV4, engine=ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         if twin:
             for p, q in zip(m.parameters(), ref.parameters()):
                 q.grad = full_tensor(p.grad).clone()
@@ -100,7 +100,7 @@ def test_two_steps_equal_one_process_adamw(stage, world, dp, arch):
     prompt, responses = _responses(arch)
     start = torch.cat([p.detach().flatten() for p in m.parameters()])
     for update in range(2):
-        ls.grpo_backward(m, prompt, responses, ADV4, mode="naive", config=ls.GRPOConfig(prompt_chunk=CHUNK))
+        ls.grpo_backward(m, prompt, responses, ADV4, mode="naive", engine=ls.EngineConfig(prompt_chunk=CHUNK))
         optimizer_step(m, opt, OptimConfig(**OPTIM), update, 2)
     want = torch.cat([p.detach().flatten() for p in m.parameters()])
     assert rel_err(want, start) > 1e-3  # the steps moved the weights

@@ -119,10 +119,10 @@ def test_a_fourth_kind_gets_the_exact_gradient(decay_model):
     prompt = torch.randint(0, 97, (30,), generator=g)
     responses = [torch.randint(0, 97, (n,), generator=g) for n in (4, 7, 2)]
     grads = {}
-    for mode, cfg in (("naive", None), ("exact", ls.GRPOConfig(prompt_chunk=4, prompt_graph_budget=0,
-                                                                 boundary_every=3))):
+    for mode, engine in (("naive", None), ("exact", ls.EngineConfig(prompt_chunk=4, prompt_graph_budget=0,
+                                                                    boundary_every=3))):
         decay_model.zero_grad(set_to_none=True)
-        ls.grpo_backward(decay_model, prompt, responses, [1.0, -0.4, -0.6], mode=mode, config=cfg)
+        ls.grpo_backward(decay_model, prompt, responses, [1.0, -0.4, -0.6], mode=mode, engine=engine)
         grads[mode] = flat_grad(decay_model)
     assert rel_err(grads["exact"], grads["naive"]) <= 1e-10
     assert decay_model.model.layers[1].self_attn.in_proj.weight.grad.abs().max() > 0

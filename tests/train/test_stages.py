@@ -19,7 +19,7 @@ from tests.conftest import tiny_config, tiny_model
 def make_cfg(tmp_path, model_type="qwen3", **kw) -> TrainConfig:
     model = tiny_config(model_type, vocab_size=260, max_position_embeddings=1024)
     base = dict(model={"random": model}, prompt_tokens=256, groups=1, responses=4, max_new_tokens=5,
-                grpo={"prompt_chunk": 96}, run_dir=str(tmp_path / "run"), optim={"lr": 1e-3})
+                engine={"prompt_chunk": 96}, run_dir=str(tmp_path / "run"), optim={"lr": 1e-3})
     return TrainConfig.model_validate(base | kw)
 
 

@@ -50,7 +50,7 @@ def reference_grad(cfg, init, roll, mode, old=None) -> torch.Tensor:
     prompt = prompt_ids(tok, step_example(cfg, tok, 0, 0))
     responses, _, _ = stages.load_rollout(cfg, roll)
     model.zero_grad(set_to_none=True)
-    ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=cfg.grpo, old_logprobs=old)
+    ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=cfg.grpo, engine=cfg.engine, old_logprobs=old)
     return flat_grad(model)
 
 
@@ -71,7 +71,7 @@ def test_exact_ops_equal_naive(tmp_path, model_type):
 def test_a_fresh_worker_continues_from_the_stored_state(tmp_path):
     """The prompt backward of a worker that did not capture (a resumed job): the state, its boundary states
     included, comes from the store; the gradient is the same as the capturing worker's, bitwise."""
-    cfg = make_cfg(tmp_path, "qwen3_5_text", grpo={"prompt_chunk": 48, "boundary_every": 2})
+    cfg = make_cfg(tmp_path, "qwen3_5_text", engine={"prompt_chunk": 48, "boundary_every": 2})
     w, init, state, roll, rew = step_group(cfg)
     replay(w, state, roll, rew, ([0, 1, 2, 3],))
     w.prompt(w.weights_version, state, 0, 0, 0)
@@ -199,7 +199,7 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
     """epochs > 1: the ratio's denominator is the sampling log-prob from the rollout, so after one update the
     replay clips, and its gradient equals naive grpo_backward given those old log-probs."""
     cfg = make_cfg(tmp_path, epochs=2, optim={"lr": 0.05, "grad_clip": None},
-                   grpo={"prompt_chunk": 96, "clip_low": 0.02, "clip_high": 0.02})
+                   grpo={"clip_low": 0.02, "clip_high": 0.02})
     w, init, state, roll, rew = step_group(cfg)
     r0 = replay(w, state, roll, rew, ([0, 1, 2, 3],))
     assert r0[0]["clipped_tokens"] == 0  # same weights as the sampler: ratios are 1 up to rounding
