@@ -64,8 +64,7 @@ def worker(params: dict) -> dict:
     import torch
 
     import longstraw as ls
-    from longstraw.engine.budget import activation_bytes_per_token, kept_chunk_count
-    from longstraw.engine.capture import chunk_ranges
+    from longstraw.engine import activation_bytes_per_token, chunk_ranges, kept_chunk_count
     from longstraw.memory import free_bytes, peak_bytes, release_freed, reset_peak
 
     torch.set_num_threads(params["threads"])
@@ -315,7 +314,7 @@ def main(argv=None) -> int:
         report(res)
         return 0
 
-    from longstraw.engine.capture import DEFAULT_CHUNK
+    from longstraw.engine import DEFAULT_CHUNK
 
     threads = args.threads or len(os.sched_getaffinity(0))
     chunk = args.prompt_chunk or DEFAULT_CHUNK

@@ -9,7 +9,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .engine.config import EngineConfig
+from .engine import EngineConfig
 from .grpo import GRPOConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .engine.checks import check_state
+from .engine import check_state
 from .models.protocol import PrefixLM
 from .parallel import ONE_RANK, SequenceGroup
 from .state import DecodeCache, LayerState, PrefixState, PrefixView, Segment

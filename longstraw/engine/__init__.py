@@ -8,13 +8,33 @@ package is meant to be imported from outside it.
 """
 
 from .branches import Branches
-from .budget import activation_bytes_per_token
+from .budget import activation_bytes_per_token, kept_chunk_count
 from .capture import PromptGraphs, capture, new_dstate
+from .checks import check_state
+from .chunks import chunk_ranges
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval, sqrt_interval
 from .grpo import MODES, grpo_backward, naive_backward, reduce_gradients
 from .prompt import prompt_backward
 from .replay import replay, score
 
-__all__ = ["DEFAULT_CHUNK", "MODES", "Branches", "EngineConfig", "PromptGraphs", "activation_bytes_per_token",
-           "boundary_interval", "capture", "grpo_backward", "naive_backward", "new_dstate", "prompt_backward",
-           "reduce_gradients", "replay", "score", "sqrt_interval"]
+__all__ = [
+    "Branches",
+    "DEFAULT_CHUNK",
+    "EngineConfig",
+    "MODES",
+    "PromptGraphs",
+    "activation_bytes_per_token",
+    "boundary_interval",
+    "capture",
+    "check_state",
+    "chunk_ranges",
+    "grpo_backward",
+    "kept_chunk_count",
+    "naive_backward",
+    "new_dstate",
+    "prompt_backward",
+    "reduce_gradients",
+    "replay",
+    "score",
+    "sqrt_interval",
+]

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config import DType, ModelSpec
-from ..engine.config import EngineConfig
+from ..engine import EngineConfig
 from ..grpo import GRPOConfig
 
 
