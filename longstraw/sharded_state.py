@@ -122,14 +122,14 @@ def _top_manifest(shards: list[dict], state: PrefixState, weights_version: str, 
 
 def save_state(state: PrefixState, url: str, *, weights_version: str, shard_tokens: int = 65536,
                storage_options: dict | None = None, extra: dict | None = None) -> dict:
-    """Store a single process's `state` (all its rows: `shard` None) at `url` as a one-shard state, and return its
+    """Store a single process's `state` (all its rows: `shard` None or (0, length)) at `url` as a one-shard state, and return its
     top manifest (with `extra`, JSON-able). `load_state`, or `load_state_shard(url, 0, 1, ...)`, reads it back.
 
     The whole state (shard-000 and the top manifest) is written under a temporary sibling and swapped in at `url`
     as `store._write_committed` swaps a group: a writer that dies leaves the state committed there before, if any,
     readable (or nothing committed), never a mix of the two.
     """
-    if state.shard is not None:
+    if state.shard not in (None, (0, state.length)):
         raise ValueError(f"this prefix state is one rank's shard (tokens {state.shard}); each rank stores its own "
                          "with save_state_shard, and rank 0 commits them with commit_sharded_state")
     fs, final = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))

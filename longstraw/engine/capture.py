@@ -66,15 +66,16 @@ def capture(
         if first_kept < n:
             state.graphs = PromptGraphs(state.grad_buffer(), {})
     for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
+        # global chunk index, owner only; taken before the chunk moves the state on. Kept even where the chunk's
+        # graph is kept too: a stored state has no graphs, and its prompt backward recomputes from these.
+        if exact and i % state.boundary_every == 0 and state.owns(s):
+            state.boundaries[i] = boundary_states(state.layers)
         if i >= first_kept:
             with torch.enable_grad():
                 state.graphs.kept[i] = chunk_with_graph(model, state, i, state.graphs.dstate,
                                                         boundary_states(state.layers), parallel)
             emitted = state.graphs.kept[i][0]
         else:
-            # global chunk index, owner only; taken before the chunk moves the state on
-            if exact and i % state.boundary_every == 0 and state.owns(s):
-                state.boundaries[i] = boundary_states(state.layers)
             emitted = run_chunk(model, state, s, e, parallel=parallel)
         store_chunk(state, s, emitted)
     return state

@@ -10,7 +10,7 @@ import torch
 import longstraw as ls
 import longstraw.models.checkpoint as checkpoint
 from longstraw.models import load_model, meta_model, write_weights
-from longstraw.parallel import shard_from_rank0
+from longstraw.parallel import ONE_RANK, shard_from_rank0
 from tests.conftest import GLM, tiny_model
 from tests.parallel.launch import run_ranks
 
@@ -43,7 +43,7 @@ def load_rank(rank: int, world: int, path: str, stage: int, dtype: str, lora: bo
         full = (_lora(model) if lora else model).state_dict()
     if lora:
         skeleton = _lora(skeleton)
-    model = shard_from_rank0(skeleton, full, stage, None, torch.device("cpu"))
+    model = shard_from_rank0(skeleton, full, stage, ONE_RANK, torch.device("cpu"))
     local = sum(p.to_local().numel() for p in model.parameters())
     out = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # a collective
     return {**{k: v.clone() for k, v in out.items()}, "_opened": torch.tensor(len(opened)),
@@ -77,10 +77,10 @@ def test_rank0_reads_and_every_rank_gets_its_shard(tmp_path, arch, stage, dtype,
 def test_tied_embeddings_are_refused_on_the_meta_path(tmp_path):
     _write(tmp_path, "qwen3", tie_word_embeddings=True)
     with pytest.raises(ValueError, match="tied word embeddings"):
-        shard_from_rank0(meta_model(tmp_path), None, 3, None, torch.device("cpu"))
+        shard_from_rank0(meta_model(tmp_path), None, 3, ONE_RANK, torch.device("cpu"))
 
 
 def test_a_materialised_model_is_refused(tmp_path):
     _write(tmp_path, "qwen3")
     with pytest.raises(ValueError, match="meta device"):
-        shard_from_rank0(load_model(tmp_path), None, 3, None, torch.device("cpu"))
+        shard_from_rank0(load_model(tmp_path), None, 3, ONE_RANK, torch.device("cpu"))
