@@ -1,5 +1,5 @@
 """Prefix states, stored as one zarr group per sequence-parallel rank: the one state format, a single process's
-state included (a one-shard state: `save_state` / `load_state`).
+state included: `save_state` writes it as a one-shard state, `load_state_shard(url)` (rank 0 of 1) reads it.
 
 Layout at `url` (a local path or any fsspec URL):
 
@@ -123,7 +123,7 @@ def _top_manifest(shards: list[dict], state: PrefixState, weights_version: str, 
 def save_state(state: PrefixState, url: str, *, weights_version: str, shard_tokens: int = 65536,
                storage_options: dict | None = None, extra: dict | None = None) -> dict:
     """Store a single process's `state` (all its rows: `shard` None or (0, length)) at `url` as a one-shard state, and return its
-    top manifest (with `extra`, JSON-able). `load_state`, or `load_state_shard(url, 0, 1, ...)`, reads it back.
+    top manifest (with `extra`, JSON-able). `load_state_shard(url, ...)` (rank 0 of 1) reads it back.
 
     The whole state (shard-000 and the top manifest) is written under a temporary sibling and swapped in at `url`
     as `store._write_committed` swaps a group: a writer that dies leaves the state committed there before, if any,
@@ -159,10 +159,12 @@ def _check_model(manifest: dict, where: str, model: nn.Module, weights_version: 
                          f"{manifest['weights_version']} != {weights_version})")
 
 
-def load_state_shard(url: str, rank: int, ranks: int, *, model: nn.Module, weights_version: str,
+def load_state_shard(url: str, rank: int = 0, ranks: int = 1, *, model: nn.Module, weights_version: str,
                      storage_options: dict | None = None, digest: str | None = None) -> PrefixState:
     """Rank `rank`'s part of the committed sharded state at `url`, on the model's device, every file verified.
+    The defaults read a single process's state (`save_state`): all rows, `shard` None.
 
+    ValueError for a state of another architecture or other weights, or one stored by another number of ranks.
     CorruptArtefact (`where` = `url`: drop the whole state and recapture) when the top manifest is not `digest`,
     the shard's manifest not the one committed, or a file not the bytes written."""
     url = url.rstrip("/")
@@ -205,12 +207,3 @@ def load_state_shard(url: str, rank: int, ranks: int, *, model: nn.Module, weigh
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
                        shard=(a, b) if ranks > 1 else None, boundary_every=manifest["boundary_every"])
 
-
-def load_state(url: str, *, model: nn.Module, weights_version: str, storage_options: dict | None = None,
-               digest: str | None = None) -> PrefixState:
-    """The committed one-shard state at `url` (`save_state`), for one process: `load_state_shard(url, 0, 1, ...)`,
-    with `shard` None (all rows). Refuses (ValueError) a state of another architecture or other weights, or one
-    stored by more than one rank; CorruptArtefact for any file or manifest that is not what was written (or, with
-    `digest`, a top manifest other than that `manifest_digest`)."""
-    return load_state_shard(url, 0, 1, model=model, weights_version=weights_version,
-                            storage_options=storage_options, digest=digest)

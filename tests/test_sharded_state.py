@@ -17,7 +17,7 @@ import longstraw as ls
 from longstraw.files import CorruptArtefact
 from longstraw.parallel import SequenceParallel, balanced_ranges
 from longstraw.parallel.objects import gather_json
-from longstraw.sharded_state import (commit_sharded_state, load_state, load_state_shard, read_sharded_manifest,
+from longstraw.sharded_state import (commit_sharded_state, load_state_shard, read_sharded_manifest,
                                      save_state, save_state_shard, shard_url, uncommit)
 from longstraw.store import manifest_digest
 from tests.conftest import flat_grad, rel_err, tiny_model
@@ -137,7 +137,7 @@ def test_exact_prompt_backward_from_stored_boundaries_equals_naive(tmp_path, arc
 
 
 def test_save_state_is_the_one_shard_state(tmp_path):
-    """A single process's `save_state` / `load_state` write and read exactly what rank 0 of 1 does (boundaries
+    """A single process's `save_state` / `load_state_shard` (rank 0 of 1 by default) write and read exactly what rank 0 of 1 does (boundaries
     included), and the loaded state holds all rows (`shard` None, as the captured one's (0, length)): the
     one-process engine takes it as is."""
     model = tiny_model("qwen3_5")
@@ -150,14 +150,14 @@ def test_save_state_is_the_one_shard_state(tmp_path):
     assert [(s["rank"], s["range"]) for s in top["shards"]] == [(0, [0, PROMPT - 1])]
     assert sorted(p.name for p in Path(one).iterdir()) == ["manifest.json", "shard-000"]
     for url in (one, ranked):
-        for loaded in (load_state(url, model=model, weights_version=WV, digest=manifest_digest(top)),
+        for loaded in (load_state_shard(url, model=model, weights_version=WV, digest=manifest_digest(top)),
                        load_state_shard(url, 0, 1, model=model, weights_version=WV)):
             assert loaded.shard is None
             assert_same_state(state, loaded)
     for a, b in zip(ls.score(model, state, responses), ls.score(model, loaded, responses)):
         assert torch.equal(a, b)
     with pytest.raises(CorruptArtefact):
-        load_state(one, model=model, weights_version=WV, digest="0" * 64)
+        load_state_shard(one, model=model, weights_version=WV, digest="0" * 64)
 
 
 def rows_of(state: ls.PrefixState, a: int, b: int) -> ls.PrefixState:

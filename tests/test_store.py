@@ -1,4 +1,4 @@
-"""The store: a single process's prefix state (a one-shard state, `sharded_state.save_state` / `load_state`) and
+"""The store: a single process's prefix state (a one-shard state, `sharded_state.save_state` / `load_state_shard`) and
 rollouts. Bitwise round trips, checksums, model/weights checks, atomic commits (a killed writer leaves the previous
 state readable). Loading one rank's part of an N-rank state is tests/test_sharded_state.py."""
 
@@ -16,7 +16,7 @@ import zarr
 import longstraw as ls
 from longstraw import sharded_state, store
 from longstraw.files import CorruptArtefact
-from longstraw.sharded_state import load_state, read_sharded_manifest, save_state, shard_url
+from longstraw.sharded_state import load_state_shard, read_sharded_manifest, save_state, shard_url
 from longstraw.state import LatentState, RecurrentState
 from longstraw.store import manifest_digest
 from tests.conftest import GLM, tiny_model
@@ -58,7 +58,7 @@ def test_round_trip_is_bitwise_and_scores_identically(tmp_path, arch, dtype):
     model, state, wv = captured(arch, dtype)
     url = str(tmp_path / "state")
     top = save_state(state, url, weights_version=wv, shard_tokens=16, extra={"step": 3})
-    loaded = load_state(url, model=model, weights_version=wv, digest=manifest_digest(top))
+    loaded = load_state_shard(url, model=model, weights_version=wv, digest=manifest_digest(top))
     assert_same(state, loaded)
     assert loaded.shard is None  # all rows: the engine's one-process path takes it as is
     assert read_sharded_manifest(url) == top and top["extra"] == {"step": 3}
@@ -109,11 +109,11 @@ def test_flipped_byte_in_a_shard_is_refused_naming_it(tmp_path):
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptArtefact, match=f"shard '{key}' is corrupted") as e:
-        load_state(str(url), model=model, weights_version=wv)
+        load_state_shard(str(url), model=model, weights_version=wv)
     assert e.value.where == str(url)  # the whole state is what to recompute
     path.unlink()  # a missing shard is an error too, never zeros
     with pytest.raises(ValueError, match=f"shard '{key}' is missing"):
-        load_state(str(url), model=model, weights_version=wv)
+        load_state_shard(str(url), model=model, weights_version=wv)
 
 
 def test_state_of_another_model_or_other_weights_is_refused(tmp_path):
@@ -121,9 +121,9 @@ def test_state_of_another_model_or_other_weights_is_refused(tmp_path):
     url = str(tmp_path / "state")
     save_state(state, url, weights_version=wv)
     with pytest.raises(ValueError, match="another model"):
-        load_state(url, model=tiny_model("qwen3", num_hidden_layers=2), weights_version=wv)
+        load_state_shard(url, model=tiny_model("qwen3", num_hidden_layers=2), weights_version=wv)
     with pytest.raises(ValueError, match="other weights"):
-        load_state(url, model=tiny_model("qwen3", seed=1), weights_version="weights-1")
+        load_state_shard(url, model=tiny_model("qwen3", seed=1), weights_version="weights-1")
 
 
 def test_one_rank_shard_is_refused_and_a_many_rank_state_not_loaded_whole(tmp_path):
@@ -137,7 +137,7 @@ def test_one_rank_shard_is_refused_and_a_many_rank_state_not_loaded_whole(tmp_pa
                {"rank": 1, "range": [PROMPT - 1, PROMPT - 1], "sha256": ""}]
     sharded_state.commit_sharded_state(url, records, state=state, weights_version=wv)
     with pytest.raises(ValueError, match="stored by 2 sequence-parallel ranks, not 1"):
-        load_state(url, model=model, weights_version=wv)
+        load_state_shard(url, model=model, weights_version=wv)
 
 
 def _kill_after(monkeypatch, calls: int) -> None:
@@ -160,7 +160,7 @@ def test_killed_writer_leaves_nothing_committed(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save_state(state, url, weights_version=wv, shard_tokens=8)
     with pytest.raises(ValueError, match="no committed"):
-        load_state(url, model=model, weights_version=wv)
+        load_state_shard(url, model=model, weights_version=wv)
     assert list(tmp_path.iterdir()) == []  # the temporary sibling is gone too
 
 
@@ -172,11 +172,11 @@ def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
     _kill_after(monkeypatch, 12)
     with pytest.raises(KeyboardInterrupt):
         save_state(new, url, weights_version=wv, shard_tokens=8)
-    assert_same(old, load_state(url, model=model, weights_version=wv))
+    assert_same(old, load_state_shard(url, model=model, weights_version=wv))
     assert [p.name for p in tmp_path.iterdir()] == ["state"]
     monkeypatch.undo()
     save_state(new, url, weights_version=wv, shard_tokens=8)  # a finished write replaces it
-    assert_same(new, load_state(url, model=model, weights_version=wv))
+    assert_same(new, load_state_shard(url, model=model, weights_version=wv))
     assert [p.name for p in tmp_path.iterdir()] == ["state"]
 
 
@@ -211,10 +211,10 @@ def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkey
     assert len(seen) == 1 and ("state" in seen[0]) == (previous or which == "top")
     assert [p.name for p in tmp_path.iterdir()] == (["state"] if previous else [])
     if previous:
-        assert_same(old, load_state(str(url), model=model, weights_version=wv))
+        assert_same(old, load_state_shard(str(url), model=model, weights_version=wv))
     else:
         with pytest.raises(ValueError, match="no committed"):
-            load_state(str(url), model=model, weights_version=wv)
+            load_state_shard(str(url), model=model, weights_version=wv)
 
 
 def test_data_without_manifest_is_not_a_state(tmp_path):
@@ -223,7 +223,7 @@ def test_data_without_manifest_is_not_a_state(tmp_path):
     save_state(state, str(url), weights_version=wv)
     (url / "manifest.json").unlink()  # e.g. a writer killed between moving the data in and committing
     with pytest.raises(ValueError, match="no committed"):
-        load_state(str(url), model=model, weights_version=wv)
+        load_state_shard(str(url), model=model, weights_version=wv)
     (url / "manifest.json").write_text(json.dumps({"format": "longstraw.sharded_prefix_state", "format_version": 99}))
     with pytest.raises(ValueError, match="version 99"):
         read_sharded_manifest(str(url))
@@ -236,17 +236,17 @@ def test_memory_url_round_trip_and_checks():
         model, state, wv = captured("qwen3_5_text")
         save_state(state, url, weights_version=wv, shard_tokens=8)
         assert fs.exists(f"{path}/manifest.json") and fs.exists(f"{path}/shard-000/manifest.json")
-        assert_same(state, load_state(url, model=model, weights_version=wv))
+        assert_same(state, load_state_shard(url, model=model, weights_version=wv))
         save_state(state, url, weights_version=wv, shard_tokens=8)  # replacing a committed state works there too
         assert [p.rsplit("/", 1)[-1] for p in fs.ls(path.rsplit("/", 1)[0], detail=False)] == ["state"]
-        assert_same(state, load_state(url, model=model, weights_version=wv))
+        assert_same(state, load_state_shard(url, model=model, weights_version=wv))
         manifest = json.loads(fs.cat_file(f"{path}/shard-000/manifest.json"))
         key = next(k for k in manifest["checksums"] if k.startswith("layers/0/conv/c/"))
         data = bytearray(fs.cat_file(f"{path}/shard-000/{key}"))
         data[-1] ^= 0xFF
         fs.pipe_file(f"{path}/shard-000/{key}", bytes(data))
         with pytest.raises(CorruptArtefact, match=f"shard '{key}' is corrupted"):
-            load_state(url, model=model, weights_version=wv)
+            load_state_shard(url, model=model, weights_version=wv)
     finally:
         fs.rm(path.rsplit("/", 1)[0], recursive=True)
 

@@ -12,7 +12,7 @@ from torch import nn
 import longstraw as ls
 from longstraw.models.common.mixer import TokenMixer
 from longstraw.state import STATE_KINDS, FixedState, LatentState, RecurrentState, Segment
-from longstraw.sharded_state import load_state, save_state
+from longstraw.sharded_state import load_state_shard, save_state
 from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 
 
@@ -133,7 +133,7 @@ def test_a_fourth_kind_is_stored_and_decoded(decay_model, tmp_path):
     state = ls.capture(decay_model, prompt, 6)
     assert isinstance(state.layers[1], DecayState)
     save_state(state, str(tmp_path / "s"), weights_version="w", shard_tokens=5)
-    back = load_state(str(tmp_path / "s"), model=decay_model, weights_version="w")
+    back = load_state_shard(str(tmp_path / "s"), model=decay_model, weights_version="w")
     assert isinstance(back.layers[1], DecayState) and torch.equal(back.layers[1].h, state.layers[1].h)
     samples = ls.rollout(decay_model, back, n=3, max_new_tokens=5, seed=0)
     # each branch's sampled log-probs equal a replay of its tokens on the captured state
