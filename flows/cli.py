@@ -14,6 +14,7 @@ from longstraw.cli import build_parser, run  # noqa: E402
 from longstraw.config import load_config, with_overrides  # noqa: E402
 from longstraw.train.artifacts import load_json  # noqa: E402
 from longstraw.train.config import TrainConfig  # noqa: E402
+from longstraw.train.lock import RunDirLocked  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--mlflow-store", help="MLflow backend store URI (default: sqlite under ./runs)")
     p.set_defaults(func=ui)
-    return run(parser, argv)
+    return run(parser, argv, user_errors=(RunDirLocked,))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""Command line: `longstraw step`, `longstraw state-size`, `longstraw plan`, `longstraw sft` (see --help of each); the pipeline's
-`train`, `resume`, `serve` and `ui` are added by flows/cli.py."""
+"""Command line: `longstraw step`, `longstraw state-size`, `longstraw plan` (longstraw/tools/), `longstraw export`,
+`longstraw sft` (see --help of each); the pipeline's `train`, `resume`, `serve` and `ui` are added by flows/cli.py.
+Each command imports what it runs when it runs: the library's commands load neither the pipeline nor the tools
+they do not use."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import json
 import sys
 
 from .files import write_bytes
-from .train.lock import RunDirLocked
 
 
 def _write_json(path: str | None, obj) -> None:
@@ -19,7 +20,7 @@ def _write_json(path: str | None, obj) -> None:
 
 def _step(args: argparse.Namespace) -> int:
     from .config import StepConfig, load_config
-    from .step import format_table, run_step, run_step_nproc, sharded_worker
+    from .tools.step import format_table, run_step, run_step_nproc, sharded_worker
 
     cfg = load_config(args.config, StepConfig)
     if args.zero is not None:
@@ -48,7 +49,7 @@ def _step(args: argparse.Namespace) -> int:
 
 def _state_size(args: argparse.Namespace) -> int:
     from .models import read_config
-    from .state_size import format_state_size, state_size
+    from .tools.state_size import format_state_size, state_size
 
     report = state_size(read_config(args.config), args.tokens, args.dtype, args.chunk)
     print(format_state_size(report))
@@ -58,7 +59,7 @@ def _state_size(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from .models import read_config
-    from .plan import format_plan, measured_activation_bytes, plan, smallest_fit
+    from .tools.plan import format_plan, measured_activation_bytes, plan, smallest_fit
 
     cfg = read_config(args.config)
     lora = None if args.lora is None else {"r": args.lora, "target_modules": args.lora_targets}
@@ -157,7 +158,10 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
+        user_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run the command `argv` names; errors of the user's input (ValueError, FileNotFoundError and the caller's
+    `user_errors`, e.g. the pipeline's locked run directory) print one line and return 2."""
     args = parser.parse_args(argv)
     if _world_size() > 1 and args.command not in ("step", "train", "resume"):
         print(f"longstraw {args.command}: error: runs on one process; of the commands `step`, `train` and `resume` "
@@ -165,7 +169,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RunDirLocked) as e:
+    except (ValueError, FileNotFoundError, *user_errors) as e:
         print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -203,7 +203,7 @@ def rollout(model, cfg: dict, p: int, ns: list[int], tokens: int, device, compil
 
 def planned_peak(cfg: dict, p: int, g: int, r: int, chunk: int, gpu_gb: float) -> float:
     """`longstraw plan`'s bytes for one exact step on one GPU, less the optimizer (the bench takes no step)."""
-    from longstraw.plan import plan
+    from longstraw.tools.plan import plan
 
     pl = plan(cfg, p, 1, gpu_gb, zero=0, chunk=chunk, responses=g, response_tokens=r)
     return pl["exact_bytes"] - pl["per_rank"]["optimizer"]

@@ -23,7 +23,7 @@ import longstraw.models.common.mla as mla_module
 import longstraw.ops.sparse_attention as sparse_module
 from longstraw.engine import activation_bytes_per_token
 from longstraw.state import LatentState, PrefixView, Segment
-from longstraw.state_size import state_size
+from longstraw.tools.state_size import state_size
 from tests.conftest import assert_same_parameters, flat_grad, rel_err
 
 HF_TINY = dict(

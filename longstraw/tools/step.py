@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import StepConfig, torch_dtype
-from .engine import grpo_backward
-from .memory import PeakMeter
-from .models import build_model, load_model
-from .parallel import ONE_RANK, SequenceGroup, SequenceParallel, full_tensor, local_shard, shard_model
-from .parallel.launch import torchrun
+from ..config import StepConfig, torch_dtype
+from ..engine import grpo_backward
+from ..memory import PeakMeter
+from ..models import build_model, load_model
+from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel, full_tensor, local_shard, shard_model
+from ..parallel.launch import torchrun
 
 
 def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:

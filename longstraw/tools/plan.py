@@ -20,9 +20,9 @@ import math
 
 import torch
 
-from .engine import EngineConfig, activation_bytes_per_token, boundary_interval
-from .lora import add_lora, check_lora_targets
-from .models.registry import build, build_model, config_from_hf
+from ..engine import EngineConfig, activation_bytes_per_token, boundary_interval
+from ..lora import add_lora, check_lora_targets
+from ..models.registry import build, build_model, config_from_hf
 from .state_size import state_size
 
 def _proxies(hf_config: dict) -> list[tuple[int, dict, bool]]:

@@ -6,9 +6,9 @@ from collections import OrderedDict
 
 import torch
 
-from .config import torch_dtype
-from .engine import sqrt_interval
-from .models.registry import build
+from ..config import torch_dtype
+from ..engine import sqrt_interval
+from ..models.registry import build
 
 
 def state_size(hf_config: dict, tokens: int, dtype: str = "bf16", chunk: int = 2048) -> dict:

@@ -12,11 +12,11 @@ import torch
 import longstraw as ls
 from longstraw.cli import main
 from longstraw.engine import activation_bytes_per_token
-from longstraw.plan import measured_activation_bytes, plan, smallest_fit
-from longstraw.state_size import state_size
+from longstraw.tools.plan import measured_activation_bytes, plan, smallest_fit
+from longstraw.tools.state_size import state_size
 from tests.conftest import GLM, tiny_config
 
-REF = Path(__file__).resolve().parent / "fixtures" / "reference-configs"
+REF = Path(__file__).resolve().parents[1] / "fixtures" / "reference-configs"
 
 
 @pytest.mark.parametrize("cfg", [tiny_config("qwen3"), tiny_config("qwen3_5_text"), GLM], ids=["dense", "qwen3_5", "glm"])

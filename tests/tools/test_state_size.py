@@ -8,11 +8,11 @@ import torch
 
 import longstraw as ls
 from longstraw.cli import main
-from longstraw.state_size import state_size
+from longstraw.tools.state_size import state_size
 from tests.conftest import tiny_config
 
 # copies of ../shared/reference-configs (real model shapes, no weights), so the tests run from any checkout
-REF = Path(__file__).resolve().parent / "fixtures" / "reference-configs"
+REF = Path(__file__).resolve().parents[1] / "fixtures" / "reference-configs"
 
 
 def test_qwen3_5_27b_attention_kv_is_64_kib_per_token():
