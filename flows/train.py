@@ -18,14 +18,14 @@ from prefect import Task, flow, get_run_logger
 from prefect.runtime import flow_run
 from tqdm.auto import tqdm
 
-from longstraw.files import CorruptArtefact
+from longstraw.files import Artefact, CorruptArtefact
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train import spmd
 from longstraw.train.checkpoint import latest_checkpoint
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
 from longstraw.train.spmd import Driver
-from longstraw.train.stages import missing_artefacts, preflight
+from longstraw.train.inputs import preflight
 from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 from tasks import stages, tracking
@@ -45,6 +45,18 @@ def _run(stage: Task, args: dict, *, cfg: TrainConfig, parent: str | None) -> di
                                  stage.name, gone[0])
         out = t.with_options(refresh_cache=True)(config, **args, parent_run_id=parent)
     return out
+
+
+def missing_artefacts(out: dict) -> list[str]:
+    """The artefacts a stage's result names (`checkpoint`, `path`, `url`: local paths or fsspec URLs, e.g. a
+    rollout in an s3 store) that are not there (any more)."""
+    gone = []
+    for key in ("checkpoint", "path", "url"):
+        if out.get(key) is not None:
+            fs, where = url_to_fs(out[key])
+            if not fs.exists(where):
+                gone.append(out[key])
+    return gone
 
 
 def branch_slices(cfg: TrainConfig) -> list[list[list[int]]]:
@@ -87,12 +99,12 @@ def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, pa
                 refs[g] = None
                 if cfg.grpo.kl_coef > 0:
                     refs[g] = run(stages.reference, dict(ref_weights=ref_weights, state=state,
-                                                         rollout_ref=_ref(rolls[g]), step=step, group=g))
-                rews[g] = run(stages.reward, dict(rollout_ref=_ref(rolls[g]), step=step, group=g))
+                                                         rollout=_artefact(rolls[g]), step=step, group=g))
+                rews[g] = run(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
             for slices in branch_slices(cfg):
                 replays.append(run(stages.replay, dict(
-                    weights=weights, state=state, rollout_ref=_ref(rolls[g]), reward_ref=_ref(rews[g]),
-                    reference_ref=_ref(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
+                    weights=weights, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(rews[g]),
+                    reference=_artefact(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
             if cfg.mode == "exact":
                 prompts.append(run(stages.prompt, dict(weights=weights, state=state, step=step, group=g,
                                                        epoch=epoch)))
@@ -155,8 +167,9 @@ def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights: str, ref_weight
     return grpo_step(config, step, weights, ref_weights, parent)
 
 
-def _ref(out: dict | None) -> dict | None:
-    return None if out is None else {"path": out["path"], "sha256": out["sha256"]}
+def _artefact(out: dict | None) -> dict | None:
+    """The `Artefact` a stage's result names, as the JSON the next task takes (its cache key hashes it)."""
+    return None if out is None else Artefact.from_json(out).to_json()
 
 
 def _history(cfg: TrainConfig) -> tuple[Path, list[dict]]:

@@ -13,12 +13,30 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+
+@dataclass(frozen=True)
+class Artefact:
+    """A stored artefact one stage hands to the next: where it is (a local path or an fsspec URL) and the sha256
+    that pins its bytes (a file's, or the manifest's of a zarr group). Crosses tasks and ranks as the JSON
+    {"path", "sha256"}; a stage's result that names one holds those two keys among its metrics."""
+
+    path: str
+    sha256: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Artefact:
+        return cls(str(record["path"]), str(record["sha256"]))
 
 
 def sha256_bytes(data: bytes) -> str:

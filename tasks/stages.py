@@ -26,7 +26,7 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.tasks import exponential_backoff
 
-import longstraw.train.stages as lib
+import longstraw.train.inputs as lib
 from longstraw.memory import measured
 from longstraw.train.config import TrainConfig
 from longstraw.train.spmd import Driver

@@ -134,7 +134,7 @@ def task_reward(model, tok: Tokenizer, task: str, examples: list[Example]) -> fl
     return total / len(examples)
 
 
-def save_checkpoint(model, out: str | Path) -> Path:
+def save_model(model: torch.nn.Module, out: str | Path) -> Path:
     """config.json + model.safetensors at `out`, written atomically (an earlier checkpoint there is replaced)."""
     with atomic_output(out) as tmp:
         Path(tmp).mkdir()
@@ -177,7 +177,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
         losses.append(loss.item())
     model.eval()
     after = task_reward(model, tok, cfg.task, evals)
-    path = save_checkpoint(model, cfg.out)
+    path = save_model(model, cfg.out)
     tail = losses[-20:]
     return {"task": cfg.task, "prompt_tokens": prompt_tokens, "task_options": options, "reward_before": before, "reward_after": after, "final_loss": sum(tail) / len(tail),
             "steps": cfg.steps, "seconds": time.perf_counter() - t0, "checkpoint": str(path)}

@@ -35,7 +35,7 @@ from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
 from ..engine import (Branches, capture, naive_backward, new_dstate, prompt_backward, reduce_gradients, replay,
                       score)
-from ..files import remove_stale_temporaries
+from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
 from ..models import build_model, load_model, meta_model
@@ -50,7 +50,7 @@ from .config import TrainConfig
 from .data import example_seed
 from .optim import build_optimizer, optimizer_step
 from .spmd import ONE_PROCESS, Ranks, agree
-from .stages import example_record, load_rollout, make_prompt
+from .inputs import example_record, make_prompt, read_rollout
 
 
 def next_version(version: str, update: int) -> str:
@@ -237,7 +237,7 @@ class Worker:
             url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
             manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                                     storage_options=cfg.store.storage_options)
-            out |= {"path": url, "sha256": manifest_digest(manifest)}
+            out |= Artefact(url, manifest_digest(manifest)).to_json()
         return out
 
     def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
@@ -248,36 +248,41 @@ class Worker:
         return [Sample(torch.tensor(t, dtype=torch.long), torch.tensor(lp, dtype=torch.float32), reason)
                 for r in slices for t, lp, reason in r["samples"]]
 
-    def reference(self, ref_weights: str, state: dict, rollout_ref: dict, step: int, group: int) -> dict:
-        """Log-probs of the sampled answers under the frozen initial weights (the KL term); the prompt's tokens
-        come from the stored state."""
+    def reference(self, ref_weights: str, state: dict, rollout: dict, step: int, group: int) -> dict:
+        """Log-probs of the sampled answers (`rollout`: an `Artefact`'s JSON) under the frozen initial weights (the
+        KL term); the prompt's tokens come from the stored state."""
         cfg = self.cfg
         model = self._reference_model(ref_weights)
         prompt = self._load(state).prompt_ids
-        responses, _, _ = self._agree(lambda: load_rollout(cfg, rollout_ref))
+        responses, _, _ = self._agree(lambda: read_rollout(cfg, Artefact.from_json(rollout)))
         with self._meter() as m:
             ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
             logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
         out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
         if self._leader:
             path = str(cfg.paths().step(step) / f"reference-g{group:03d}.safetensors")
-            out |= {"path": path, "sha256": save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)})}
+            sha = save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)})
+            out |= Artefact(path, sha).to_json()
         return out
 
-    def replay(self, weights: str, state: dict, rollout_ref: dict, reward_ref: dict, reference_ref: dict | None,
+    def replay(self, weights: str, state: dict, rollout: dict, rewards: dict, reference: dict | None,
                step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
         """Replay one slice of branches per data-parallel group (`branches[d]` for group d) with autograd on the
-        prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory."""
+        prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory. `rollout`, `rewards`
+        and `reference` (the KL reference's log-probs, or None) are `Artefact`s' JSON."""
         cfg = self.cfg
         self._check_weights(weights)
         if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
         def inputs():
-            responses, sample_logps, _ = load_rollout(cfg, rollout_ref)
-            record = load_json(reward_ref["path"], reward_ref["sha256"])
-            ref = (None if reference_ref is None else
-                   load_tensors(reference_ref["path"], reference_ref["sha256"]))
+            responses, sample_logps, _ = read_rollout(cfg, Artefact.from_json(rollout))
+            record_file = Artefact.from_json(rewards)
+            record = load_json(record_file.path, record_file.sha256)
+            ref = None
+            if reference is not None:
+                ref_file = Artefact.from_json(reference)
+                ref = load_tensors(ref_file.path, ref_file.sha256)
             return responses, sample_logps, record, ref
 
         responses, sample_logps, record, ref_t = self._agree(inputs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import longstraw.train.stages as lib
+import longstraw.train.inputs as lib
 import longstraw.train.worker as worker_module
 from flows.cli import main
 from flows.train import grpo_train

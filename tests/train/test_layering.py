@@ -8,7 +8,7 @@ LIBRARY = Path(__file__).resolve().parents[2] / "longstraw"
 
 
 def test_library_imports_neither_prefect_nor_mlflow():
-    code = ("import sys, longstraw, longstraw.cli, longstraw.train.stages, longstraw.train.checkpoint, longstraw.store;"
+    code = ("import sys, longstraw, longstraw.cli, longstraw.train.inputs, longstraw.train.checkpoint, longstraw.store;"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'mlflow'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -13,16 +13,16 @@ import torch
 
 import longstraw as ls
 from longstraw.data.tokenizer import load_tokenizer
-from longstraw.files import CorruptArtefact
+from longstraw.files import Artefact, CorruptArtefact
 from longstraw.grpo.rewards import get_reward
-from longstraw.train import stages
+from longstraw.train import inputs
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train.checkpoint import load_checkpoint, read_trainer
 from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.optim import build_optimizer
 from longstraw.train.worker import Worker, next_version
 from tests.conftest import flat_grad, rel_err
-from tests.train.test_stages import make_cfg
+from tests.train.test_inputs import make_cfg
 
 ADV = [1.0, -0.5, 0.7, -1.2]
 
@@ -48,7 +48,7 @@ def reference_grad(cfg, init, roll, mode, old=None) -> torch.Tensor:
     model = ls.load_model(init["checkpoint"])
     tok = load_tokenizer(cfg.tokenizer)
     prompt = prompt_ids(tok, step_example(cfg, tok, 0, 0))
-    responses, _, _ = stages.load_rollout(cfg, roll)
+    responses, _, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
     model.zero_grad(set_to_none=True)
     ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=cfg.grpo, engine=cfg.engine, old_logprobs=old)
     return flat_grad(model)
@@ -152,13 +152,13 @@ def test_the_prompt_is_made_once_per_step(tmp_path, monkeypatch):
     scores with it instead of making the prompt again."""
     cfg = make_cfg(tmp_path)
     made = []
-    real = stages.step_example
-    monkeypatch.setattr(stages, "step_example", lambda *a: made.append(a[2:]) or real(*a))
+    real = inputs.step_example
+    monkeypatch.setattr(inputs, "step_example", lambda *a: made.append(a[2:]) or real(*a))
     w = Worker(cfg)
     v = w.start()["weights_version"]
     cap = w.capture(v, step=0, group=0, epoch=0)
     roll = w.rollout(v, {"url": cap["url"], "sha256": cap["sha256"]}, 0, 0)
-    rew = stages.reward_stage(cfg, roll, 0, 0)
+    rew = inputs.reward_stage(cfg, roll, 0, 0)
     assert made == [(0, 0)]
     ex = real(cfg, load_tokenizer(cfg.tokenizer), 0, 0)
     texts = json.loads((Path(roll["path"]) / "manifest.json").read_text())["meta"]["texts"]
@@ -178,7 +178,7 @@ def test_edited_manifests_are_refused(tmp_path):
         edit(manifest)
         path.write_text(json.dumps(manifest))
     with pytest.raises(CorruptArtefact, match="rollout at .* is not the one this stage was given"):
-        stages.reward_stage(cfg, roll, 0, 0)
+        inputs.reward_stage(cfg, roll, 0, 0)
     fresh = Worker(cfg)  # nothing resident: it reads the state
     fresh.start()
     with pytest.raises(CorruptArtefact, match="sharded prefix state at .* is not the one this stage was given"):
@@ -218,7 +218,7 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
         for p, q in zip(model.parameters(), w.model.parameters()):
             p.copy_(q)
     tok = load_tokenizer(cfg.tokenizer)
-    responses, old, _ = stages.load_rollout(cfg, roll)
+    responses, old, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
     ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
                      old_logprobs=old, config=cfg.grpo)
     assert rel_err(got, flat_grad(model)) <= 1e-5

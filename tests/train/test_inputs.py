@@ -1,4 +1,4 @@
-"""The stages of a step that need no model (preflight checks, the reward, the prompt of a step) and the pieces
+"""What a step needs besides the model (inputs.py: preflight checks, the reward, the prompt of a step) and the pieces
 the ops share (the optimizer step, the lr schedule, the config's checks)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longstraw.data.tokenizer import load_tokenizer
-from longstraw.train import stages
+from longstraw.train import inputs
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import step_example
 from longstraw.train.optim import build_optimizer, lr_at
@@ -66,9 +66,9 @@ def test_non_finite_updates_are_skipped_or_refused():
 def test_preflight_fails_before_any_work(tmp_path, kw, match):
     cfg = make_cfg(tmp_path, **kw)
     with pytest.raises(ValueError, match=match):
-        stages.preflight(cfg)
+        inputs.preflight(cfg)
     assert not (tmp_path / "run").exists()
-    stages.preflight(make_cfg(tmp_path))  # the base config passes
+    inputs.preflight(make_cfg(tmp_path))  # the base config passes
 
 def test_lr_schedule():
     from longstraw.train.config import OptimConfig

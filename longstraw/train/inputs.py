@@ -1,6 +1,7 @@
-"""The parts of a GRPO step that need no model: the prompt of a step's group, checks before any work, the
-reward, and reading a stored rollout. The stages that run on the model are the ops of `worker.Worker`, kept
-resident on every rank of the run (spmd.py). The Prefect tasks in `tasks/` wrap both one to one.
+"""What a GRPO step needs besides the model: the prompt of each group, the checks before any work (`preflight`),
+and the rewards and advantages of a rollout (`reward_stage`, run on rank 0 alone). The stages that run on the model
+are the ops of `worker.Worker`, kept resident on every rank of the run (spmd.py). The Prefect tasks in
+`tasks/stages.py` wrap both one to one.
 
 One step, for each group g (one prompt) and each epoch e:
   capture(g, e) -> rollout(g) [e = 0 only] -> reference(g) [kl_coef > 0] -> reward(g)
@@ -13,7 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-from fsspec.core import url_to_fs
 
 from ..data import Example, check_vocab, load_tokenizer
 from ..grpo import group_advantages
@@ -21,7 +21,8 @@ from ..grpo.rewards import compute_rewards, get_reward
 from ..lora import check_lora_targets
 from ..models.checkpoint import read_config
 from ..models.registry import build, config_from_hf
-from ..store import load_rollout as store_load_rollout
+from ..files import Artefact
+from ..store import load_rollout
 from .artifacts import save_json
 from .config import TrainConfig
 from .data import prompt_ids, step_example
@@ -40,23 +41,7 @@ def example_record(ex: Example) -> dict:
     return {"answer": ex.answer, "meta": ex.meta}
 
 
-def _ref(path: str, sha: str) -> dict:
-    return {"path": path, "sha256": sha}
-
-
 # ---- run set-up ---------------------------------------------------------------------------------------------
-
-def missing_artefacts(out: dict) -> list[str]:
-    """The artefacts a stage's result names (`checkpoint`, `path`, `url`: local paths or fsspec URLs, e.g. a
-    rollout in an s3 store) that are not there (any more)."""
-    gone = []
-    for key in ("checkpoint", "path", "url"):
-        if out.get(key) is not None:
-            fs, where = url_to_fs(out[key])
-            if not fs.exists(where):
-                gone.append(out[key])
-    return gone
-
 
 def preflight(cfg: TrainConfig) -> None:
     """Check what the stages would find only later, before any work: the reward resolves, the task and its
@@ -79,17 +64,19 @@ def preflight(cfg: TrainConfig) -> None:
                          f"{mc.max_position_embeddings}; lower prompt_tokens or use a long-context checkpoint")
 
 
-# ---- stages without a model --------------------------------------------------------------------------------
+# ---- the reward --------------------------------------------------------------------------------------------
 
-def load_rollout(cfg: TrainConfig, ref: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout."""
-    return store_load_rollout(ref["path"], storage_options=cfg.store.storage_options, digest=ref["sha256"])
+def read_rollout(cfg: TrainConfig, rollout: Artefact) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout, in the
+    run's store, verified against its digest."""
+    return load_rollout(rollout.path, storage_options=cfg.store.storage_options, digest=rollout.sha256)
 
 
-def reward_stage(cfg: TrainConfig, rollout_ref: dict, step: int, group: int) -> dict:
-    """Score the answers with the reward function and turn them into group advantages."""
+def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict:
+    """Score the answers of the rollout (an `Artefact`'s JSON) with the reward function and turn them into group
+    advantages; returns the stored record's `Artefact` JSON with the reward metrics."""
     t0 = time.perf_counter()
-    _, _, meta = load_rollout(cfg, rollout_ref)
+    _, _, meta = read_rollout(cfg, Artefact.from_json(rollout))
     if (ex := meta.get("example")) is None:  # a rollout stored without its example
         ex = example_record(step_example(cfg, load_tokenizer(cfg.tokenizer), step, group))
     prompt_meta = ex["meta"] | {"answer": ex["answer"]}
@@ -101,6 +88,6 @@ def reward_stage(cfg: TrainConfig, rollout_ref: dict, step: int, group: int) -> 
     sha = save_json(path, record)
     n = len(rewards)
     mean = sum(rewards) / n
-    return {**_ref(path, sha), "reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+    return {**Artefact(path, sha).to_json(), "reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
             "accuracy": sum(r >= 1.0 for r in rewards) / n, "reward_failures": failed,
             "seconds": time.perf_counter() - t0}
