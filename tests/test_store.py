@@ -15,9 +15,11 @@ import zarr
 
 import longstraw as ls
 from longstraw import sharded_state, store
+from longstraw.engine.chunks import held_rows, prompt_chunks
 from longstraw.files import CorruptArtefact
+from longstraw.parallel import SequenceGroup
 from longstraw.sharded_state import load_state_shard, read_sharded_manifest, save_state, shard_url
-from longstraw.state import LatentState, RecurrentState
+from longstraw.state import LatentState, RecurrentState, RowMap
 from longstraw.store import manifest_digest
 from tests.conftest import GLM, tiny_model
 
@@ -60,9 +62,9 @@ def test_round_trip_is_bitwise_and_scores_identically(tmp_path, arch, dtype):
     top = save_state(state, url, weights_version=wv, shard_tokens=16, extra={"step": 3})
     loaded = load_state_shard(url, model=model, weights_version=wv, digest=manifest_digest(top))
     assert_same(state, loaded)
-    assert loaded.shard is None  # all rows: the engine's one-process path takes it as is
+    assert not loaded.sharded and loaded.rows == RowMap.whole(PROMPT - 1)  # all rows: the one-process path's
     assert read_sharded_manifest(url) == top and top["extra"] == {"step": 3}
-    assert [(s["rank"], s["range"]) for s in top["shards"]] == [(0, [0, PROMPT - 1])]
+    assert [(s["rank"], s["blocks"]) for s in top["shards"]] == [(0, [[0, PROMPT - 1]])]
     manifest = shard_manifest(url)
 
     kinds = {"qwen3": {"attention"}, "qwen3_5_text": {"attention", "recurrent"}, "glm_moe_dsa": {"latent"}}[arch]
@@ -92,7 +94,8 @@ def test_manifest_lists_every_shard_with_its_checksum(tmp_path):
     shards = {k for k in manifest["checksums"] if "/c/" in k}
     assert shards == {p.relative_to(group).as_posix() for p in group.rglob("*") if p.is_file() and "/c/" in str(p)}
     assert len([k for k in shards if k.startswith("layers/0/k/")]) == 5  # 39 tokens / 8 per shard
-    assert manifest["shard_tokens"] == 8 and manifest["length"] == PROMPT - 1 and manifest["range"] == [0, PROMPT - 1]
+    assert manifest["shard_tokens"] == 8 and manifest["length"] == PROMPT - 1
+    assert manifest["blocks"] == [[0, PROMPT - 1]]
     on_disk = json.loads((url / "manifest.json").read_text())
     assert on_disk == top and on_disk["length"] == PROMPT - 1
     assert top["shards"][0]["sha256"] == manifest_digest(manifest)  # the top manifest pins the shard's
@@ -126,18 +129,34 @@ def test_state_of_another_model_or_other_weights_is_refused(tmp_path):
         load_state_shard(url, model=tiny_model("qwen3", seed=1), weights_version="weights-1")
 
 
+def rank_part(state: ls.PrefixState, rank: int, world: int) -> ls.PrefixState:
+    """What rank `rank` of a `world`-rank group holds of a one-process state: its block of every chunk."""
+    g = SequenceGroup()
+    g.rank, g.size = rank, world
+    chunks = prompt_chunks(state.length, state.chunks[0][1], g)  # the group's chunks: the captured ones
+    assert chunks == state.chunks
+    rows = held_rows(chunks, g)
+    layers = [s if s.token_axis is None else
+              type(s).from_tensors({n: t.index_select(-2, rows.positions()) for n, t in s.named_tensors().items()})
+              for s in state.layers]
+    return ls.PrefixState(layers, state.prompt_ids, state.chunks, state.model_fingerprint, rows=rows)
+
+
 def test_one_rank_shard_is_refused_and_a_many_rank_state_not_loaded_whole(tmp_path):
     model, state, wv = captured("qwen3")
     url = str(tmp_path / "state")
-    with pytest.raises(ValueError, match="one rank's shard.*save_state_shard"):
-        save_state(ls.PrefixState(state.layers, state.prompt_ids, state.chunks, state.model_fingerprint,
-                                  shard=(0, PROMPT // 2)), url, weights_version=wv)
-    assert not (tmp_path / "state").exists()
-    records = [sharded_state.save_state_shard(state, url, 0, weights_version=wv),
-               {"rank": 1, "range": [PROMPT - 1, PROMPT - 1], "sha256": ""}]
+    parts = [rank_part(state, r, 2) for r in range(2)]
+    assert all(p.sharded for p in parts) and parts[0].rows.blocks == ((0, 8), (24, 32), (32, 36))
+    for part in (ls.PrefixState(state.layers, state.prompt_ids, state.chunks, state.model_fingerprint,
+                                rows=RowMap(((0, PROMPT // 2),))), *parts):
+        with pytest.raises(ValueError, match="one rank's shard.*save_state_shard"):
+            save_state(part, url, weights_version=wv)
+        assert not (tmp_path / "state").exists()
+    records = [sharded_state.save_state_shard(p, url, r, weights_version=wv) for r, p in enumerate(parts)]
     sharded_state.commit_sharded_state(url, records, state=state, weights_version=wv)
     with pytest.raises(ValueError, match="stored by 2 sequence-parallel ranks, not 1"):
         load_state_shard(url, model=model, weights_version=wv)
+    assert load_state_shard(url, 1, 2, model=model, weights_version=wv).rows == parts[1].rows
 
 
 def _kill_after(monkeypatch, calls: int) -> None:
