@@ -67,8 +67,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     check_lora_targets(model, targets)
     peft = _peft()
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none")
-    peft.inject_adapter_in_model(config, model)
-    model.lora_spec = {"r": r, "alpha": alpha, "dropout": 0.0, "target_modules": sorted(targets)}
+    peft.inject_adapter_in_model(config, model)  # leaves its config on the model: what `lora_spec` reads
     return model
 
 
@@ -87,8 +86,20 @@ def check_lora_targets(model: nn.Module, targets: Sequence[str]) -> None:
                              f"its linear modules: {', '.join(names)}")
 
 
+def lora_spec(model: nn.Module) -> dict | None:
+    """The adapters' settings as `add_lora` took them ({r, alpha, dropout, target_modules}: what a checkpoint
+    records), or None for a model without adapters. Read from the `peft_config` that PEFT's
+    `inject_adapter_in_model` sets on the model it adapts, so the model carries one record of them, PEFT's own."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    config = configs["default"]
+    return {"r": config.r, "alpha": config.lora_alpha, "dropout": config.lora_dropout,
+            "target_modules": sorted(config.target_modules)}
+
+
 def has_lora(model: nn.Module) -> bool:
-    return getattr(model, "lora_spec", None) is not None
+    return lora_spec(model) is not None
 
 
 def is_adapter(name: str) -> bool:
@@ -128,7 +139,7 @@ def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base weights with each adapter merged in (W + alpha / r * B A), under the HF names."""
-    spec = model.lora_spec
+    spec = lora_spec(model)
     scale = spec["alpha"] / spec["r"]
     params = dict(model.named_parameters())
     out = base_state(model)
@@ -143,7 +154,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_config(model: nn.Module, base_model: str | None) -> dict:
     """adapter_config.json as PEFT writes it for a causal LM."""
-    spec = model.lora_spec
+    spec = lora_spec(model)
     config = _peft().LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0,
                                 target_modules=spec["target_modules"], bias="none", task_type="CAUSAL_LM",
                                 base_model_name_or_path=base_model)

@@ -59,7 +59,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..files import atomic_output, digest, sha256_file
 from ..lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, base_state, has_lora, load_adapter_state,
-                    merged_state, save_adapter)
+                    lora_spec, merged_state, save_adapter)
 from ..models import load_model
 from ..models.checkpoint import write_state_dict
 from ..parallel import is_sharded
@@ -206,7 +206,7 @@ def save_checkpoint(
     state = _optimizer_state(model, optimizer)
     specs = dict(sorted({k: v for part in _gather({k: _spec(t) for k, t in state.items()}) for k, v in part.items()}
                         .items()))
-    weights = _full_weights(model, rank)  # with LoRA: base and adapter, split below
+    state_dict = _full_weights(model, rank)  # with LoRA: base and adapter, split below
     reached_commit = False
     listed: list[str] = []
     err: BaseException | None = None
@@ -219,15 +219,15 @@ def save_checkpoint(
                     tmp_name = stack.enter_context(atomic_output(final))
                     (Path(tmp_name) / "trainer").mkdir(parents=True)
                     if lora:
-                        save_adapter(model, tmp_name, str(base or final), state=weights)
+                        save_adapter(model, tmp_name, str(base or final), state=state_dict)
                         if base is None:  # the frozen base weights, once per run
-                            write_state_dict(base_state(model, weights), model.config, tmp_name)
+                            write_state_dict(base_state(model, state_dict), model.config, tmp_name)
                     else:
-                        write_state_dict(weights, model.config, tmp_name)
+                        write_state_dict(state_dict, model.config, tmp_name)
                     save_file({"torch": torch.get_rng_state()}, str(Path(tmp_name) / RNG))
                 except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
                     err = e
-            weights = None
+            state_dict = None  # rank 0's full copy of the weights is written: free it
             got = _broadcast({"tmp": tmp_name, "error": _record(err)})
             _raise_any([got["error"]], err)
             tmp = Path(got["tmp"])
@@ -263,7 +263,7 @@ def save_checkpoint(
                     "weights_version": weights_version or digest({n: h for n, h in files.items()
                                                                   if n in (*WEIGHTS, *ADAPTER)}),
                     # relative: a run directory moved elsewhere still finds its base weights
-                    **({"lora": model.lora_spec,
+                    **({"lora": lora_spec(model),
                         "base_checkpoint": None if base is None else os.path.relpath(base, final)} if lora else {}),
                     **extra,
                     "files": files,
@@ -382,18 +382,18 @@ def load_checkpoint(
     d = Path(directory)
     meta = read_trainer(d)
     lora = meta.get("lora")
-    weights = d / meta["base_checkpoint"] if lora and meta["base_checkpoint"] else d
-    if weights != d:  # LoRA: the frozen base weights are in the checkpoint named (verified by every rank together)
-        read_trainer(weights)
+    weights_dir = d / meta["base_checkpoint"] if lora and meta["base_checkpoint"] else d
+    if weights_dir != d:  # LoRA: the frozen base weights are in the checkpoint named (verified by every rank together)
+        read_trainer(weights_dir)
 
     def read() -> nn.Module:  # the (base) weights, then the adapter
-        model = load_model(weights, dtype=dtype, device=device)
+        model = load_model(weights_dir, dtype=dtype, device=device)
         if lora is not None:
             add_lora(model, **lora)
             load_adapter_state(model, load_tensors(d / ADAPTER_WEIGHTS))
         return model
 
-    model = read() if loader is None else loader(read, weights, lora)
+    model = read() if loader is None else loader(read, weights_dir, lora)
     optimizer = optimizer_factory(model)
     _load_optimizer(d, model, optimizer, meta)
     if restore_rng:
