@@ -73,11 +73,11 @@ def _mean(xs: list[float]) -> float:
 
 
 @flow(name="grpo-step", flow_run_name="step-{step}")
-def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, parent_run_id: str | None = None
-              ) -> dict:
+def grpo_step(config: dict, step: int, weights_version: str, reference_version: str | None,
+              parent_run_id: str | None = None) -> dict:
     """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
-    -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. `weights` is the lineage id
-    of the weights the ranks hold at the step's start, `ref_weights` that of the KL reference."""
+    -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. `weights_version` is the
+    lineage id of the weights the ranks hold at the step's start, `reference_version` that of the KL reference."""
     cfg = TrainConfig.model_validate(config)
     t0 = time.perf_counter()
     run = partial(_run, cfg=cfg, parent=parent_run_id)
@@ -92,28 +92,28 @@ def grpo_step(config: dict, step: int, weights: str, ref_weights: str | None, pa
     for epoch in range(cfg.epochs):
         for g in range(cfg.groups):  # one group at a time: one prefix state and one dState resident
             # epoch > 0: the weights changed, so the prompt is captured again with them
-            caps.append(run(stages.capture, dict(weights=weights, step=step, group=g, epoch=epoch)))
+            caps.append(run(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch)))
             state = _state(caps[-1])
             if epoch == 0:
-                rolls[g] = run(stages.rollout, dict(weights=weights, state=state, step=step, group=g))
+                rolls[g] = run(stages.rollout, dict(weights_version=weights_version, state=state, step=step, group=g))
                 refs[g] = None
                 if cfg.grpo.kl_coef > 0:
-                    refs[g] = run(stages.reference, dict(ref_weights=ref_weights, state=state,
+                    refs[g] = run(stages.reference, dict(reference_version=reference_version, state=state,
                                                          rollout=_artefact(rolls[g]), step=step, group=g))
                 rews[g] = run(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
             for slices in branch_slices(cfg):
                 replays.append(run(stages.replay, dict(
-                    weights=weights, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(rews[g]),
+                    weights_version=weights_version, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(rews[g]),
                     reference=_artefact(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
             if cfg.mode == "exact":
-                prompts.append(run(stages.prompt, dict(weights=weights, state=state, step=step, group=g,
+                prompts.append(run(stages.prompt, dict(weights_version=weights_version, state=state, step=step, group=g,
                                                        epoch=epoch)))
         done = (cfg, caps, list(rolls.values()), list(rews.values()), replays, prompts)
-        opt = run(stages.optimizer, dict(weights=weights, update=update + epoch, step=step,
+        opt = run(stages.optimizer, dict(weights_version=weights_version, update=update + epoch, step=step,
                                          record=_metrics(*done, time.perf_counter() - t0)))
-        weights = opt["weights_version"]
+        weights_version = opt["weights_version"]
     metrics = _metrics(*done, time.perf_counter() - t0, opt)
-    return {"step": step, "weights": weights, "checkpoint": opt["checkpoint"], "metrics": metrics}
+    return {"step": step, "weights_version": weights_version, "checkpoint": opt["checkpoint"], "metrics": metrics}
 
 
 def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[dict], replays: list[dict],
@@ -150,21 +150,21 @@ def _state(capture: dict) -> dict:
     return {"url": capture["url"], "sha256": capture["sha256"]}
 
 
-def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights: str, ref_weights: str | None, parent: str | None
-                           ) -> dict:
+def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights_version: str, reference_version: str | None,
+                           parent: str | None) -> dict:
     """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a reward or reference file:
     derived data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached,
     but its artefact is gone now, so it runs again (`_run`), and nothing has to be cleaned up by hand."""
     config = cfg.model_dump(mode="json")
     try:
-        return grpo_step(config, step, weights, ref_weights, parent)
+        return grpo_step(config, step, weights_version, reference_version, parent)
     except CorruptArtefact as e:
         fs, where = url_to_fs(e.where)
         if Path(cfg.paths().checkpoints).resolve() in Path(where).resolve().parents or not fs.exists(where):
             raise
         get_run_logger().warning("step %d: %s; deleted it, running the step again", step, e)
         fs.rm(where, recursive=True)
-    return grpo_step(config, step, weights, ref_weights, parent)
+    return grpo_step(config, step, weights_version, reference_version, parent)
 
 
 def _artefact(out: dict | None) -> dict | None:
@@ -226,7 +226,7 @@ def _steps(cfg: TrainConfig, progress: bool, logger) -> dict:
     run_dir = Path(cfg.run_dir)
     config = cfg.model_dump(mode="json")
     init = configured(stages.start, cfg)(config)
-    start, weights = init["update"] // cfg.epochs, init["weights_version"]
+    start, weights_version = init["update"] // cfg.epochs, init["weights_version"]
     checkpoint = init["checkpoint"]
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {
         "prefect.flow_run_id": str(flow_run.get_id()), "run_dir": str(run_dir.resolve()),
@@ -257,8 +257,8 @@ def _steps(cfg: TrainConfig, progress: bool, logger) -> dict:
                 logger.warning("step %d has no record (its checkpoint %s holds none)", step, meta.parent)
         for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
                          initial=start, total=cfg.steps):
-            res = _step_dropping_corrupt(cfg, step, weights, init["ref_weights"], parent)
-            weights, checkpoint = res["weights"], res["checkpoint"] or checkpoint
+            res = _step_dropping_corrupt(cfg, step, weights_version, init["reference_version"], parent)
+            weights_version, checkpoint = res["weights_version"], res["checkpoint"] or checkpoint
             record(step, res["metrics"])
         status = "FINISHED"
     finally:

@@ -71,9 +71,11 @@ def _retry_transient(_task, _run, state) -> bool:
     return False
 
 
-def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> Task:
-    """The Prefect task of one stage. Its parameters are the stage's own, named and typed as the library has them,
-    with the run config as a JSON dict first and the MLflow parent run last."""
+def _stage(name: str, fn: Callable[..., dict], cached: bool, on_ranks: bool,
+           execute: Callable[[TrainConfig, dict], dict]) -> Task:
+    """The Prefect task of one stage, which runs `execute(cfg, params)`. Its parameters are those of `fn` (the
+    library's function of the stage), named and typed as the library has them, with the run config as a JSON dict
+    first and the MLflow parent run last."""
     lib_params = list(inspect.signature(fn).parameters.values())[1:]  # after self / cfg
     signature = inspect.Signature(
         [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=dict), *lib_params,
@@ -90,9 +92,7 @@ def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> 
         if "branches" in params:
             tags["branch"] = params["branches"][0][0]
         with tracking.stage_run(cfg, parent, name, tags) as record:
-            # looked up at call time: tests may wrap the library function
-            out = (_driver().call(fn, **params) if on_ranks
-                   else measured(getattr(lib, fn.__name__), cfg, **params))
+            out = execute(cfg, params)
             record(out)
         return out
 
@@ -112,14 +112,22 @@ def _stage(fn: Callable[..., dict], name: str, cached: bool, on_ranks: bool) -> 
     return t
 
 
-start = _stage(Worker.start, "start", cached=False, on_ranks=True)
-capture = _stage(Worker.capture, "capture", cached=True, on_ranks=True)
-rollout = _stage(Worker.rollout, "rollout", cached=True, on_ranks=True)
-reference = _stage(Worker.reference, "reference", cached=True, on_ranks=True)
-reward = _stage(lib.reward_stage, "reward", cached=True, on_ranks=False)
-replay = _stage(Worker.replay, "replay", cached=False, on_ranks=True)
-prompt = _stage(Worker.prompt, "prompt", cached=False, on_ranks=True)
-optimizer = _stage(Worker.optimizer, "optimizer", cached=False, on_ranks=True)
+def _op(name: str, cached: bool) -> Task:
+    """The task of the worker op `Worker.OPS[name]`: rank 0 sends it, every rank runs it on its resident model."""
+    return _stage(name, Worker.OPS[name], cached, on_ranks=True,
+                  execute=lambda _cfg, params: _driver().call(name, **params))  # the ranks hold the config
+
+
+start = _op("start", cached=False)
+capture = _op("capture", cached=True)
+rollout = _op("rollout", cached=True)
+reference = _op("reference", cached=True)
+# rank 0 alone; the module's function read at call time, so that a test may wrap it
+reward = _stage("reward", lib.reward_stage, cached=True, on_ranks=False,
+                execute=lambda cfg, params: measured(lib.reward_stage, cfg, **params))
+replay = _op("replay", cached=False)
+prompt = _op("prompt", cached=False)
+optimizer = _op("optimizer", cached=False)
 
 
 def configured(stage: Task, cfg: TrainConfig) -> Task:

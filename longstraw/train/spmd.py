@@ -3,10 +3,10 @@
 `longstraw train --nproc N` starts N ranks with torchrun. Every rank builds one `Worker` (worker.py) that keeps
 the model and the optimizer resident for the whole run. Rank 0 also runs the orchestration (the Prefect flow);
 each stage it runs is an op: rank 0 broadcasts it as a JSON command (`Driver.call`), every rank executes it on
-its resident model with the same arguments (`execute`), and rank 0 gets every rank's small JSON result. The ops'
-own collectives (attention merges, FSDP gathers, gradient sums) run over the compute process group; commands and
-results over a separate gloo group, whose long timeout lets the ranks wait while rank 0 does rank-0-only work
-(rewards, tracking). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
+its resident model with the same arguments (`execute`: the method `Worker.OPS` names), and rank 0 gets every
+rank's small JSON result. The ops' own collectives (attention merges, FSDP gathers, gradient sums) run over the
+compute process group; commands and results over a separate gloo group, whose long timeout lets the ranks wait
+while rank 0 does rank-0-only work (rewards, tracking). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
 moves the bytes. At N = 1 the same ops run in-process without any of it.
 
 Failures. An error that every rank raises together (`Agreed`: bad or corrupted input found while loading, before
@@ -168,13 +168,11 @@ def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error
 def execute(worker, op: str, params: dict):
     """Run `op` on this rank; with other ranks, gather every rank's result to rank 0 (merged there)."""
     ranks = worker.ranks
-    if op not in worker.OPS:
-        raise ValueError(f"unknown op {op!r}; the ops are {', '.join(worker.OPS)}")
-    fn = getattr(worker, op)
+    fn = _op(worker, op)
     if not ranks.distributed:
-        return measured(fn, **params)  # one process: errors are raised as they are (`agree` raises them too)
+        return measured(fn, worker, **params)  # one process: errors are raised as they are (`agree` raises them too)
     try:
-        out = measured(fn, **params)
+        out = measured(fn, worker, **params)
         results = ranks.gather(out)
     except Agreed:
         raise
@@ -183,6 +181,12 @@ def execute(worker, op: str, params: dict):
         shutdown()  # peers blocked on this rank fail now, not after the collective timeout
         raise RankFailed(str(e)) from e
     return merge(results) if ranks.leader else None
+
+
+def _op(worker, op: str) -> Callable[..., dict]:
+    if op not in worker.OPS:
+        raise ValueError(f"unknown op {op!r}; the ops are {', '.join(worker.OPS)}")
+    return worker.OPS[op]
 
 
 def merge(results: list[dict]) -> dict:
@@ -235,16 +239,16 @@ def _peer_gone(message: str) -> bool:
 
 
 class Driver:
-    """Rank 0's handle on the job: `call(Worker.capture, **params)` runs that op on every rank and returns the
-    merged result. The op goes to the other ranks by its name, one of `Worker.OPS`."""
+    """Rank 0's handle on the job: `call("capture", **params)` runs that op (`Worker.OPS["capture"]`, i.e.
+    `Worker.capture`) on every rank and returns the merged result. The name is what goes to the other ranks."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
         self._lock = threading.Lock()  # one op at a time: every rank must see the same sequence
         self._failed: RankFailed | None = None
 
-    def call(self, fn: Callable[..., dict], **params) -> dict:
-        op = fn.__name__
+    def call(self, op: str, **params) -> dict:
+        _op(self.worker, op)  # an unknown op fails here, before any rank is sent it
         with self._lock:
             if self._failed is not None:
                 raise RankFailed(f"the job stopped earlier ({self._failed}); `longstraw resume` continues the run")

@@ -8,7 +8,9 @@ stays in memory:
 
 - gradients accumulate in `param.grad` (FSDP: the rank's shard) over every replay and prompt op of an update;
   dLoss/dState of a group accumulates over its replay ops in `self._dstate` and is consumed by its prompt op;
-- the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing.
+- the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing;
+- so do the last rollout's answers and sampling log-probs (`self._rollout`), so reference and replay read them
+  from the store only after a resume.
 
 What resume needs is stored, and nothing model-sized per op: prefix-state shards (each written by the rank that
 owns its tokens; sharded_state.py), rollouts, references, and checkpoints every `pipeline.checkpoint_every`
@@ -70,9 +72,6 @@ def _leader_reads(read: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
 
 
 class Worker:
-    # the ops rank 0 may ask every rank to run (spmd.Driver.call), in the order a step runs them
-    OPS = ("start", "capture", "rollout", "reference", "replay", "prompt", "optimizer")
-
     def __init__(self, cfg: TrainConfig, ranks: Ranks = ONE_PROCESS) -> None:
         self.cfg, self.ranks = cfg, ranks
         self.parallel = ranks.parallel
@@ -82,6 +81,8 @@ class Worker:
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
         self._reference: nn.Module | None = None
         self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
+        # the last rollout sampled or read: (its artefact, responses, sampling log-probs), rank 0's on every rank
+        self._rollout: tuple[Artefact, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -116,17 +117,17 @@ class Worker:
     def _barrier_gather(self, value) -> list:
         return self.ranks.gather(value)
 
-    def _resident(self, read: Callable[[], nn.Module], weights: Path | None, lora: dict | None,
+    def _resident(self, read: Callable[[], nn.Module], weights_dir: Path | None, lora: dict | None,
                   stage: int | None = None) -> nn.Module:
-        """The model to keep resident, from `read()` (the whole model) and `weights` (the directory holding its
+        """The model to keep resident, from `read()` (the whole model) and `weights_dir` (the directory holding its
         config.json; None for a random model). Sharded (ZeRO-2/3 on several ranks): only rank 0 reads the weights,
         and every rank builds the model on the meta device and takes its shards by broadcast (`shard_from_rank0`:
         1/N of the weights per rank plus one tensor in flight, one read of the files). Otherwise every rank reads
         them, and ZeRO-2/3 then shards them."""
         stage = self.cfg.optim.zero_stage if stage is None else stage
         skeleton = None
-        if stage >= 2 and weights is not None:  # ZeRO-2/3: several ranks
-            skeleton = self._agree(lambda: meta_model(weights, torch_dtype(self.cfg.dtype)))
+        if stage >= 2 and weights_dir is not None:  # ZeRO-2/3: several ranks
+            skeleton = self._agree(lambda: meta_model(weights_dir, torch_dtype(self.cfg.dtype)))
             if skeleton.config.tie_word_embeddings:  # the meta path would untie them
                 skeleton = None
         if skeleton is None:
@@ -137,10 +138,10 @@ class Worker:
         full = self._agree(lambda: _leader_reads(read) if self._leader else None)
         return shard_from_rank0(skeleton, full, stage, self.parallel, self.device).eval()
 
-    def _check_weights(self, weights: str) -> None:
-        if weights != self.weights_version:
+    def _check_version(self, weights_version: str) -> None:
+        if weights_version != self.weights_version:
             raise ValueError(f"the ranks hold weights {self.weights_version[:12]} (update {self.update}) but the stage "
-                             f"asks for {weights[:12]}; resume the run (`longstraw resume <run dir>`)")
+                             f"asks for {weights_version[:12]}; resume the run (`longstraw resume <run dir>`)")
 
     # ---- ops ------------------------------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -177,17 +178,17 @@ class Worker:
                                                            device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
-        self._state, self._dstate = None, {}
+        self._state, self._dstate, self._rollout = None, {}, None
         ref = None
         if cfg.grpo.kl_coef > 0:  # the KL reference: update 0's weights
             ref = meta if self.update == 0 else read_trainer(paths.checkpoint(0))
         return {"checkpoint": str(latest), "update": self.update, "weights_version": self.weights_version,
-                "ref_weights": None if ref is None else ref["weights_version"], "model_loads": self.model_loads}
+                "reference_version": None if ref is None else ref["weights_version"], "model_loads": self.model_loads}
 
-    def capture(self, weights: str, step: int, group: int, epoch: int) -> dict:
+    def capture(self, weights_version: str, step: int, group: int, epoch: int) -> dict:
         """Capture the group's prompt and store its prefix state: each owner writes its token range's shard."""
         cfg = self.cfg
-        self._check_weights(weights)
+        self._check_version(weights_version)
         prompt, ex = make_prompt(cfg, step, group, self.model.config.vocab_size)
         url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
         rank, ranks = self._sp_rank
@@ -196,27 +197,28 @@ class Worker:
         with self._meter() as m:
             # exact mode: the boundary states are stored with the state; the kept chunk graphs stay in memory
             state = capture(self.model, prompt, cfg.engine, parallel=self.parallel, exact=cfg.mode == "exact")
-            mine = (save_state_shard(state, url, rank, weights_version=weights, shard_tokens=cfg.store.shard_tokens,
-                                     storage_options=cfg.store.storage_options) if self._writes_shards else None)
+            mine = (save_state_shard(state, url, rank, weights_version=weights_version,
+                                     shard_tokens=cfg.store.shard_tokens, storage_options=cfg.store.storage_options)
+                    if self._writes_shards else None)
         shards = [s for s in self._barrier_gather(mine) if s is not None]  # every owner has committed its shard
         digest = None
         if self._leader:
-            manifest = commit_sharded_state(url, shards, state=state, weights_version=weights,
+            manifest = commit_sharded_state(url, shards, state=state, weights_version=weights_version,
                                             storage_options=cfg.store.storage_options,
                                             extra={"example": example_record(ex)})
             digest = manifest_digest(manifest)
         digest = self.ranks.broadcast(digest)
         self._state = (url, digest, state)
-        return {"url": url, "sha256": digest, "weights_version": weights, "prompt_tokens": prompt.numel(),
+        return {"url": url, "sha256": digest, "weights_version": weights_version, "prompt_tokens": prompt.numel(),
                 "state_bytes": state.nbytes, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
 
-    def rollout(self, weights: str, state: dict, step: int, group: int) -> dict:
+    def rollout(self, weights_version: str, state: dict, step: int, group: int) -> dict:
         """Sample G answers from the prefix state (shared by all branches) and store them (rank 0). Each
         data-parallel group samples its slice of the G (the slice it replays) and rank 0 gathers them: the same
         answers as one group sampling all G, in 1/dp of the decode steps' batch."""
         cfg = self.cfg
-        self._check_weights(weights)
+        self._check_version(weights_version)
         tok = load_tokenizer(cfg.tokenizer)
         prefix = self._load(state)
         mine = self.parallel.branches(cfg.responses)
@@ -230,6 +232,7 @@ class Worker:
         lengths = [s.tokens.numel() for s in samples]
         out = {"responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
                "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
+        stored = None
         if self._leader:
             example = read_sharded_manifest(state["url"], cfg.store.storage_options)["extra"].get("example")
             meta = {"finish_reasons": [s.finish_reason for s in samples],
@@ -237,8 +240,33 @@ class Worker:
             url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
             manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                                     storage_options=cfg.store.storage_options)
-            out |= Artefact(url, manifest_digest(manifest)).to_json()
+            stored = Artefact(url, manifest_digest(manifest))
+            out |= stored.to_json()
+        self._keep_rollout(stored, samples)
         return out
+
+    def _keep_rollout(self, stored: Artefact | None, samples: list[Sample]) -> None:
+        """Keep the answers resident for the group's reference and replay ops, as rank 0 stored them (`stored`:
+        its artefact, on rank 0): the dtypes the store keeps, and rank 0's values on every rank, as a read of the
+        store would give them (a GPU's sampling log-probs may differ by rank in the last bit)."""
+        tokens = [s.tokens.to(torch.int64).cpu() for s in samples]
+        logps = [s.logprobs.float().cpu() for s in samples]
+        if self.ranks.distributed:  # JSON: fp32 log-probs round-trip exactly
+            got = self.ranks.broadcast({"artefact": stored.to_json(), "tokens": [t.tolist() for t in tokens],
+                                        "logprobs": [lp.tolist() for lp in logps]} if self._leader else None)
+            stored = Artefact.from_json(got["artefact"])
+            tokens = [torch.tensor(t, dtype=torch.int64) for t in got["tokens"]]
+            logps = [torch.tensor(lp, dtype=torch.float32) for lp in got["logprobs"]]
+        self._rollout = (stored, tokens, logps)
+
+    def _responses(self, rollout: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(responses, sampling log-probs) of `rollout` (an `Artefact`'s JSON): resident if it was the last one
+        sampled or read, else read from the store (after a resume), verified."""
+        artefact = Artefact.from_json(rollout)
+        if self._rollout is None or self._rollout[0] != artefact:
+            responses, logps, _ = self._agree(lambda: read_rollout(self.cfg, artefact))
+            self._rollout = (artefact, responses, logps)
+        return self._rollout[1], self._rollout[2]
 
     def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
         """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
@@ -248,13 +276,13 @@ class Worker:
         return [Sample(torch.tensor(t, dtype=torch.long), torch.tensor(lp, dtype=torch.float32), reason)
                 for r in slices for t, lp, reason in r["samples"]]
 
-    def reference(self, ref_weights: str, state: dict, rollout: dict, step: int, group: int) -> dict:
+    def reference(self, reference_version: str, state: dict, rollout: dict, step: int, group: int) -> dict:
         """Log-probs of the sampled answers (`rollout`: an `Artefact`'s JSON) under the frozen initial weights (the
         KL term); the prompt's tokens come from the stored state."""
         cfg = self.cfg
-        model = self._reference_model(ref_weights)
+        model = self._reference_model(reference_version)
         prompt = self._load(state).prompt_ids
-        responses, _, _ = self._agree(lambda: read_rollout(cfg, Artefact.from_json(rollout)))
+        responses, _ = self._responses(rollout)
         with self._meter() as m:
             ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
             logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
@@ -265,27 +293,27 @@ class Worker:
             out |= Artefact(path, sha).to_json()
         return out
 
-    def replay(self, weights: str, state: dict, rollout: dict, rewards: dict, reference: dict | None,
+    def replay(self, weights_version: str, state: dict, rollout: dict, rewards: dict, reference: dict | None,
                step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
         """Replay one slice of branches per data-parallel group (`branches[d]` for group d) with autograd on the
         prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory. `rollout`, `rewards`
         and `reference` (the KL reference's log-probs, or None) are `Artefact`s' JSON."""
         cfg = self.cfg
-        self._check_weights(weights)
+        self._check_version(weights_version)
         if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
         def inputs():
-            responses, sample_logps, _ = read_rollout(cfg, Artefact.from_json(rollout))
             record_file = Artefact.from_json(rewards)
             record = load_json(record_file.path, record_file.sha256)
             ref = None
             if reference is not None:
                 ref_file = Artefact.from_json(reference)
                 ref = load_tensors(ref_file.path, ref_file.sha256)
-            return responses, sample_logps, record, ref
+            return record, ref
 
-        responses, sample_logps, record, ref_t = self._agree(inputs)
+        responses, sample_logps = self._responses(rollout)
+        record, ref_t = self._agree(inputs)
         prefix = self._load(state)  # naive mode too: its prompt is the stored one
         group_branches = Branches.group(
             responses, record["advantages"], cfg.grpo, vocab_size=self.model.config.vocab_size,
@@ -306,10 +334,10 @@ class Worker:
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": tokens / max(m.seconds, 1e-9)}
 
-    def prompt(self, weights: str, state: dict, step: int, group: int, epoch: int) -> dict:
+    def prompt(self, weights_version: str, state: dict, step: int, group: int, epoch: int) -> dict:
         """Exact mode: back-propagate the group's summed dLoss/dState through the prompt, chunk by chunk (every
         chunk recomputed from the stored boundary states)."""
-        self._check_weights(weights)
+        self._check_version(weights_version)
         grad = self._dstate.pop((group, epoch), None)
         if grad is None:
             raise ValueError(f"no replay of step {step} group {group} epoch {epoch} ran on these ranks since they "
@@ -320,12 +348,12 @@ class Worker:
         return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
 
-    def optimizer(self, weights: str, update: int, step: int, record: dict) -> dict:
+    def optimizer(self, weights_version: str, update: int, step: int, record: dict) -> dict:
         """Sum the accumulated gradients over the data-parallel groups (FSDP did while reducing), clip, AdamW
         step; commit a checkpoint at the end of every `checkpoint_every`-th step and of the run's last update.
         `record` (the step's metrics so far) goes into the checkpoint, so a kill after the commit loses no record."""
         cfg = self.cfg
-        self._check_weights(weights)
+        self._check_version(weights_version)
         if self._dstate:
             raise ValueError(f"prompt backward of {sorted(self._dstate)} (group, epoch) did not run before the "
                              "optimizer step")
@@ -350,6 +378,13 @@ class Worker:
         """With LoRA, where the frozen base weights are: in update 0's checkpoint, written once."""
         return str(self.cfg.paths().checkpoint(0)) if self.cfg.lora is not None else None
 
+    # The ops rank 0 may ask every rank to run (spmd.Driver.call), by the name that goes over the wire, in the order
+    # a step runs them. A table of the methods rather than a look-up of the name, so that a reader (and "find
+    # usages") can follow an op from its task to its code.
+    OPS: dict[str, Callable[..., dict]] = {
+        "start": start, "capture": capture, "rollout": rollout, "reference": reference, "replay": replay,
+        "prompt": prompt, "optimizer": optimizer}
+
     # ---- state and models -----------------------------------------------------------------------------------------
     def _load(self, ref: dict) -> PrefixState:
         """The prefix state of a capture's result ({url, sha256}): resident if it was the last one used, else this
@@ -363,14 +398,14 @@ class Worker:
         self._state = (ref["url"], ref["sha256"], state)
         return state
 
-    def _reference_model(self, ref_weights: str) -> nn.Module:
+    def _reference_model(self, reference_version: str) -> nn.Module:
         """The KL reference (update 0's weights), loaded once per worker start and never stepped."""
         if self._reference is None:
             path = self.cfg.paths().checkpoint(0)
             meta = self._agree(lambda: read_trainer(path))
-            if meta["weights_version"] != ref_weights:
+            if meta["weights_version"] != reference_version:
                 raise ValueError(f"{path} holds weights {meta['weights_version'][:12]}, not the reference "
-                                 f"{ref_weights[:12]} the stage asks for")
+                                 f"{reference_version[:12]} the stage asks for")
             read = lambda: load_model(path, dtype=torch_dtype(self.cfg.dtype), device=self.device)  # noqa: E731
             # the base weights (no adapters: the reference of a LoRA run is its base model)
             self._reference = self._resident(read, path, None, stage=3 if self.cfg.optim.zero_stage >= 2 else 0)

@@ -39,13 +39,13 @@ def counted(monkeypatch):
     """Count executions of every op of the resident worker and of the reward, and the models built or loaded."""
     calls: Counter = Counter()
     for name in OPS:
-        fn = getattr(Worker, name)
+        fn = Worker.OPS[name]
 
         def wrapped(self, *a, _fn=fn, _name=name, **kw):
             calls[(_name, kw.get("step"))] += 1
             return _fn(self, *a, **kw)
 
-        monkeypatch.setattr(Worker, name, wrapped)
+        monkeypatch.setitem(Worker.OPS, name, wrapped)
     reward = lib.reward_stage
 
     def counted_reward(cfg, *a, **kw):
@@ -78,14 +78,14 @@ def weights(out: dict) -> dict[str, torch.Tensor]:
 
 
 def _failing(monkeypatch, name: str, when):
-    fn = getattr(Worker, name)
+    fn = Worker.OPS[name]
 
     def flaky(self, *a, **kw):
         if when(kw):
             raise RuntimeError(f"injected {name} fault")
         return fn(self, *a, **kw)
 
-    monkeypatch.setattr(Worker, name, flaky)
+    monkeypatch.setitem(Worker.OPS, name, flaky)
     return fn
 
 
@@ -98,7 +98,7 @@ def test_fault_then_resume_matches_uninterrupted(tmp_path, counted, monkeypatch)
     assert counted[("optimizer", 0)] == 1 and counted[("optimizer", 1)] == 0
     assert counted[("model_load", None)] == 1 and counted[("start", None)] == 1  # one load per worker start
 
-    monkeypatch.setattr(Worker, "replay", replay)
+    monkeypatch.setitem(Worker.OPS, "replay", replay)
     before = counted.copy()
     assert main(["resume", str(tmp_path / "run"), "--no-progress"]) == 0  # what a user types
     new = counted - before
@@ -130,7 +130,7 @@ def test_checkpoints_every_k_steps_and_resume_from_the_last(tmp_path, counted, m
         grpo_train(cfg, progress=False)
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["update-000000", "update-000002"]
-    monkeypatch.setattr(Worker, "prompt", prompt)
+    monkeypatch.setitem(Worker.OPS, "prompt", prompt)
     before = counted.copy()
     out = grpo_train(cfg, progress=False)
     new = counted - before
@@ -156,7 +156,7 @@ def test_resume_after_a_library_change_recomputes_the_completed_stages(tmp_path,
         new = counted - before
     assert new[("capture", 0)] == new[("rollout", 0)] == new[("reward", 0)] == 0  # cached
     assert new[("replay", 0)] == 4 and new[("prompt", 0)] == 1  # in memory only: computed again
-    monkeypatch.setattr(Worker, "optimizer", optimizer)
+    monkeypatch.setitem(Worker.OPS, "optimizer", optimizer)
     monkeypatch.setattr(tasks.stages, "code_digest", lambda: "0.1.0+changed")
     before = counted.copy()
     grpo_train(cfg, progress=False)
@@ -193,7 +193,7 @@ def test_a_corrupted_state_is_recomputed_not_stuck(tmp_path, counted, monkeypatc
     replay = _failing(monkeypatch, "replay", lambda kw: True)
     with pytest.raises(Exception, match="injected replay fault"):
         grpo_train(cfg, progress=False)
-    monkeypatch.setattr(Worker, "replay", replay)
+    monkeypatch.setitem(Worker.OPS, "replay", replay)
     shard = next(p for p in sorted((tmp_path / "run" / "store" / "states").rglob("*")) if p.is_file() and "/c/" in str(p))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
@@ -277,7 +277,7 @@ def test_a_resumed_lora_run_ends_bit_identical(tmp_path, counted, monkeypatch):
     replay = _failing(monkeypatch, "replay", lambda kw: kw["step"] == 1)
     with pytest.raises(Exception, match="injected replay fault"):
         grpo_train(cfg, progress=False)
-    monkeypatch.setattr(Worker, "replay", replay)
+    monkeypatch.setitem(Worker.OPS, "replay", replay)
     grpo_train(cfg, progress=False)
     clean = grpo_train(config(tmp_path / "clean", lora=lora), progress=False)
     final = tmp_path / "run" / "checkpoints" / "update-000002"

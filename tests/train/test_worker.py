@@ -137,8 +137,12 @@ def test_corrupted_artefacts_are_refused(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
+    fresh = Worker(cfg)  # a resumed job's worker: it reads the stored rollout, verified
+    fresh.start()
     with pytest.raises(ValueError, match="rollout at .* is corrupted"):
-        replay(w, state, roll, rew, ([0],))
+        replay(fresh, state, roll, rew, ([0],))
+    # the sampling worker kept its answers in memory (the store is there for a resume): it reads nothing
+    assert replay(w, state, roll, rew, ([0],))[0]["tokens"] > 0
     weights = tmp_path / "run" / "checkpoints" / "update-000000" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0x01
@@ -222,3 +226,22 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
     ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
                      old_logprobs=old, config=cfg.grpo)
     assert rel_err(got, flat_grad(model)) <= 1e-5
+
+
+def test_ops_are_run_from_the_table_by_name(tmp_path):
+    """The driver sends an op by its name in `Worker.OPS` and every rank runs that entry: a name outside the table
+    is refused before anything is sent, and the entry (not an attribute looked up by the name) is what runs."""
+    from longstraw.train.spmd import Driver
+
+    assert Worker.OPS["capture"] is Worker.__dict__["capture"]
+    w = Worker(make_cfg(tmp_path))
+    driver = Driver(w)
+    with pytest.raises(ValueError, match="unknown op '_load'"):
+        driver.call("_load", ref={})
+    init = driver.call("start")
+    assert init["weights_version"] == w.weights_version and init["read_bytes"] >= 0  # measured, one process
+    ran = []
+    table = dict(Worker.OPS, capture=lambda self, **kw: ran.append(kw) or {"seen": True})
+    w.OPS = table  # this worker's table only
+    assert driver.call("capture", weights_version=w.weights_version, step=0, group=0, epoch=0)["seen"]
+    assert ran == [{"weights_version": w.weights_version, "step": 0, "group": 0, "epoch": 0}]

@@ -35,18 +35,18 @@ def _patch(module) -> None:
             if hasattr(module, name):
                 setattr(module, name, _counting(getattr(module, name)))
         if module.__name__ == "longstraw.train.worker":
-            start = module.Worker.start
+            start = module.Worker.OPS["start"]  # ops run from this table (spmd.execute)
 
             @functools.wraps(start)
             def counted_start(self, *a, **kw):
                 _note("start")
                 return start(self, *a, **kw)
 
-            module.Worker.start = counted_start
+            module.Worker.OPS["start"] = counted_start
     fault = os.environ.get("LONGSTRAW_TEST_FAULT")
     if fault and module.__name__ == "longstraw.train.worker":
         op, step, rank = fault.split(":")
-        original = getattr(module.Worker, op)
+        original = module.Worker.OPS[op]
 
         @functools.wraps(original)
         def faulty(self, *a, **kw):
@@ -54,7 +54,7 @@ def _patch(module) -> None:
                 raise RuntimeError(f"injected {op} fault on rank {rank}")
             return original(self, *a, **kw)
 
-        setattr(module.Worker, op, faulty)
+        module.Worker.OPS[op] = faulty
 
 
 class _Loader(importlib.abc.Loader):
