@@ -23,7 +23,8 @@ counts channels x too much). Any other matrix-like op that runs uncounted is lis
 Bytes, three ways, per rank: `sent` is what the process actually wrote to its sockets (the wchar delta of
 /proc/self/io over the phase: gloo sends with write/writev; 0 at N = 1), `model` is the same from the collectives
 called (all_reduce 2(N-1)/N x size, as gloo's ring; all_gather (N-1) x size; broadcast (N-1) x size from the
-root, 0 elsewhere), and `payload` is `SequenceParallel.bytes_communicated`, what the rank handed to the
+root, 0 elsewhere; all_to_all (N-1)/N x size; the autograd all-gathers of the split schedule's small Gated
+DeltaNet summaries and conv halos go through torch's functional collectives and are in `sent` only), and `payload` is `SequenceParallel.bytes_communicated`, what the rank handed to the
 sequence-parallel collectives (as bench/dist_step.py reports it: the size of each tensor, whatever N, so a
 broadcast's receivers count it too; the small all_reduces of agree_min / check_same are not in it).
 """
@@ -165,7 +166,8 @@ class CollectiveLog:
     attributes are what it reaches) and adds up, per call kind, the calls and the bytes this rank sends under the
     ring / flat model that gloo's measured traffic follows."""
 
-    KINDS = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
+    KINDS = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "all_to_all_single", "barrier")
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -191,6 +193,8 @@ class CollectiveLog:
             return (n - 1) * args[0].nbytes if dist.get_rank() == src else 0
         if kind == "all_gather_into_tensor":
             return (n - 1) * args[1].nbytes
+        if kind == "all_to_all_single":  # (output, input): all but this rank's own part leaves
+            return (n - 1) / n * args[1].nbytes
         return (n - 1) / n * args[1].nbytes  # reduce_scatter_tensor(output, input)
 
     def _wrap(self, kind: str, fn: Callable) -> Callable:

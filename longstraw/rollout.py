@@ -118,6 +118,10 @@ def rollout(
     if bad:
         raise ValueError(f"stop_ids {bad} are outside the model vocab [0, {cfg.vocab_size})")
 
+    parallel.check_agree("rollout settings", {
+        "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "stop_ids": sorted(set(stop_ids)), "stop_check_every": stop_check_every, "static_shapes": static_shapes,
+        "compile": compile, "first_branch": first_branch, "dtype": str(state.layers[0].tensors()[0].dtype)})
     p = next(model.parameters())
     forward = compiled_decoder(model, "inductor" if compile is True else compile, static_shapes) if compile else model
     device = state.prompt_ids.device
@@ -143,7 +147,7 @@ def rollout(
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         cache.filled = t if step is None else step
-        view = PrefixView(prefix, state.length, offset=state.offset, parallel=parallel)
+        view = PrefixView(prefix, state.length, rows=state.rows, parallel=parallel)
         seg = Segment(start=state.length + cache.filled, prefix=view, cache=cache, collect=True)
         logits = forward(tokens, seg)[:, -1].float()
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
@@ -154,6 +158,9 @@ def rollout(
             nxt = logits.argmax(-1)
         else:
             nxt = sample_no_sync(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), gens)
+        # the group decodes on in step only if its ranks hold the same tokens; kernels that are not bitwise
+        # deterministic can make a near-tie come out differently on two GPUs: rank 0's tokens are the group's
+        nxt = parallel.broadcast_(nxt, 0)
         out_tokens.append(nxt)
         out_logps.append(logp.gather(-1, nxt[:, None])[:, 0])
         done = done | torch.isin(nxt, stops)

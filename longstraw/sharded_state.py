@@ -4,16 +4,17 @@ state included: `save_state` writes it as a one-shard state, `load_state_shard(u
 Layout at `url` (a local path or any fsspec URL):
 
     shard-000/, shard-001/, ...   rank r's part, a committed zarr group (`store.py`: its own manifest.json with the
-                                  crc32c of every file): the rows [a, b) of each per-token layer, the whole
-                                  prompt's fixed-size layers, prompt_ids, and the exact mode's boundary states of its
-                                  own chunks (`boundaries/{chunk}/{layer}/{field}`)
+                                  crc32c of every file): the rows of its blocks (its block of every prompt chunk,
+                                  `blocks` in its manifest) of each per-token layer, the whole prompt's fixed-size
+                                  layers, prompt_ids, and the exact mode's boundary states it kept
+                                  (`boundaries/{chunk}/{layer}/{field}`)
     manifest.json                 written last, by rank 0: the commit marker
 
 A shard group holds
 
     prompt_ids                           [P] int64, one chunk (always loaded whole)
-    layers/{i}/k, layers/{i}/v           attention: [kv_heads, b - a, head_dim]
-    layers/{i}/kv, layers/{i}/index_k    MLA latent [b - a, kv_lora_rank + rope_dim], DSA indexer key [b - a, dim]
+    layers/{i}/k, layers/{i}/v           attention: [kv_heads, rows, head_dim]
+    layers/{i}/kv, layers/{i}/index_k    MLA latent [rows, kv_lora_rank + rope_dim], DSA indexer key [rows, dim]
     layers/{i}/conv, layers/{i}/ssm      Gated DeltaNet: fixed size, one chunk each
 
 with the per-token arrays chunked along the token axis by `shard_tokens` (`store._write_tensor`).
@@ -38,12 +39,12 @@ import zarr
 from torch import nn
 
 from .files import CorruptArtefact, atomic_output
-from .state import STATE_KINDS, LayerState, PrefixState
+from .state import STATE_KINDS, LayerState, PrefixState, RowMap
 from .store import (MANIFEST, _ChecksumStore, _dtype, _to_torch, _write_committed, _write_manifest, _write_tensor,
                     _zarr_store, manifest_digest, read_manifest)
 
-SHARDED_FORMAT = ("longstraw.sharded_prefix_state", 1)
-SHARD_FORMAT = ("longstraw.prefix_state_shard", 1)
+SHARDED_FORMAT = ("longstraw.sharded_prefix_state", 2)
+SHARD_FORMAT = ("longstraw.prefix_state_shard", 2)  # 2: a rank holds blocks of every chunk, not one range
 
 
 def shard_url(url: str, rank: int) -> str:
@@ -66,14 +67,15 @@ def save_state_shard(state: PrefixState, url: str, rank: int, *, weights_version
                      storage_options: dict | None = None) -> dict:
     """Write this rank's part of `state` at `shard_url(url, rank)`, committed atomically (the owner only).
 
-    Returns the record rank 0 needs to commit: {"rank", "range": [a, b], "sha256": digest of the shard manifest}.
+    Returns the record rank 0 needs to commit: {"rank", "blocks": [[a, b], ...], "sha256": digest of the shard
+    manifest}.
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
-    a, b = state.shard or (0, state.length)
+    blocks = [list(b) for b in state.rows.blocks]
     for i, layer in enumerate(state.layers):
-        if layer.token_axis is not None and (rows := layer.tensors()[0].shape[-2]) != b - a:
-            raise ValueError(f"layer {i} holds {rows} rows, but the state's shard {a, b} has {b - a}")
+        if layer.token_axis is not None and (rows := layer.tensors()[0].shape[-2]) != state.rows.rows:
+            raise ValueError(f"layer {i} holds {rows} rows, but the state's blocks have {state.rows.rows}")
 
     def write(root: zarr.Group) -> dict:
         prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
@@ -86,17 +88,17 @@ def save_state_shard(state: PrefixState, url: str, rank: int, *, weights_version
         name, version = SHARD_FORMAT
         return {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
                 "weights_version": weights_version, "shard_tokens": shard_tokens, "length": state.length,
-                "rank": rank, "range": [a, b], "prompt_ids": prompt, "chunks": [list(c) for c in state.chunks],
+                "rank": rank, "blocks": blocks, "prompt_ids": prompt, "chunks": [list(c) for c in state.chunks],
                 "layers": layers, "boundary_every": state.boundary_every, "boundaries": boundaries}
 
     manifest = _write_committed(shard_url(url, rank), storage_options, write)
-    return {"rank": rank, "range": [a, b], "sha256": manifest_digest(manifest)}
+    return {"rank": rank, "blocks": blocks, "sha256": manifest_digest(manifest)}
 
 
 def commit_sharded_state(url: str, shards: list[dict], *, state: PrefixState, weights_version: str,
                          storage_options: dict | None = None, extra: dict | None = None) -> dict:
-    """Rank 0, once every owner's `save_state_shard` returned: check that their ranges tile [0, state.length) in
-    rank order, then write the top manifest, the commit marker. Returns it (`manifest_digest` of it is the hand-over
+    """Rank 0, once every owner's `save_state_shard` returned: check that their blocks tile [0, state.length),
+    then write the top manifest, the commit marker. Returns it (`manifest_digest` of it is the hand-over
     digest)."""
     manifest = _top_manifest(shards, state, weights_version, extra)
     fs, path = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
@@ -105,15 +107,20 @@ def commit_sharded_state(url: str, shards: list[dict], *, state: PrefixState, we
 
 
 def _top_manifest(shards: list[dict], state: PrefixState, weights_version: str, extra: dict | None) -> dict:
+    if [record["rank"] for record in shards] != list(range(len(shards))) or not shards:
+        raise ValueError(f"shard records are not ranks 0..{len(shards) - 1} in order: "
+                         f"{[record['rank'] for record in shards]}")
     end = 0
-    for r, record in enumerate(shards):
-        a, b = record["range"]
-        if record["rank"] != r or a != end or b < a:
-            raise ValueError(f"shard records do not tile [0, {state.length}) in rank order: record {r} is rank "
-                             f"{record['rank']} with range [{a}, {b}), expected rank {r} starting at {end}")
+    blocks = sorted(tuple(block) for record in shards for block in record["blocks"])
+    if state.length == 0 and blocks == [(0, 0)]:  # a one-token prompt: no rows at all
+        blocks = []
+    for a, b in blocks:
+        if a != end or b <= a:
+            raise ValueError(f"the shards' blocks do not tile [0, {state.length}): [{a}, {b}) where a block "
+                             f"starting at {end} was expected")
         end = b
-    if end != state.length or not shards:
-        raise ValueError(f"shard records cover [0, {end}), not the state's [0, {state.length})")
+    if end != state.length:
+        raise ValueError(f"the shards' blocks cover [0, {end}), not the state's [0, {state.length})")
     name, version = SHARDED_FORMAT
     return {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
             "weights_version": weights_version, "length": state.length,
@@ -122,16 +129,17 @@ def _top_manifest(shards: list[dict], state: PrefixState, weights_version: str, 
 
 def save_state(state: PrefixState, url: str, *, weights_version: str, shard_tokens: int = 65536,
                storage_options: dict | None = None, extra: dict | None = None) -> dict:
-    """Store a single process's `state` (all its rows: `shard` None or (0, length)) at `url` as a one-shard state, and return its
+    """Store a single process's `state` (all its rows) at `url` as a one-shard state, and return its
     top manifest (with `extra`, JSON-able). `load_state_shard(url, ...)` (rank 0 of 1) reads it back.
 
     The whole state (shard-000 and the top manifest) is written under a temporary sibling and swapped in at `url`
     as `store._write_committed` swaps a group: a writer that dies leaves the state committed there before, if any,
     readable (or nothing committed), never a mix of the two.
     """
-    if state.shard not in (None, (0, state.length)):
-        raise ValueError(f"this prefix state is one rank's shard (tokens {state.shard}); each rank stores its own "
-                         "with save_state_shard, and rank 0 commits them with commit_sharded_state")
+    if state.sharded:
+        raise ValueError(f"this prefix state is one rank's shard ({state.rows.rows} of {state.length} tokens); each "
+                         "rank stores its own with save_state_shard, and rank 0 commits them with "
+                         "commit_sharded_state")
     fs, final = fsspec.core.url_to_fs(url.rstrip("/"), **(storage_options or {}))
     top: dict = {}
 
@@ -162,7 +170,7 @@ def _check_model(manifest: dict, where: str, model: nn.Module, weights_version: 
 def load_state_shard(url: str, rank: int = 0, ranks: int = 1, *, model: nn.Module, weights_version: str,
                      storage_options: dict | None = None, digest: str | None = None) -> PrefixState:
     """Rank `rank`'s part of the committed sharded state at `url`, on the model's device, every file verified.
-    The defaults read a single process's state (`save_state`): all rows, `shard` None.
+    The defaults read a single process's state (`save_state`): all rows.
 
     ValueError for a state of another architecture or other weights, or one stored by another number of ranks.
     CorruptArtefact (`where` = `url`: drop the whole state and recapture) when the top manifest is not `digest`,
@@ -202,8 +210,8 @@ def load_state_shard(url: str, rank: int = 0, ranks: int = 1, *, model: nn.Modul
                       for c, states in manifest["boundaries"].items()}
     except CorruptArtefact as e:
         raise CorruptArtefact(str(e), url) from e
-    a, b = manifest["range"]
     chunks = [tuple(c) for c in manifest["chunks"]]
+    rows = RowMap(tuple(tuple(block) for block in manifest["blocks"]))
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
-                       shard=(a, b) if ranks > 1 else None, boundary_every=manifest["boundary_every"])
+                       rows=rows, boundary_every=manifest["boundary_every"])
 

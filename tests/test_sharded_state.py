@@ -275,8 +275,8 @@ def test_two_ranks_write_their_own_shards_and_get_the_exact_gradient(tmp_path):
     # boundaries at chunks 0, 2, 4 (every EVERY-th), each kept by rank i % 2: all three by rank 0, none by rank 1
     # (chunks 1 and 3 regenerated from the boundaries rank 0 hands on)
     for r, out in enumerate(ranks):
-        assert out["boundaries"].tolist() == [i for i in range(0, 5, EVERY) if rank_of(r, 2).boundary_owner(i) == r]
-    assert ranks[0]["boundaries"].tolist() == [0, 2, 4] and ranks[1]["boundaries"].tolist() == []
+        assert out["boundaries"].tolist() == [i for i in range(0, 5, EVERY) if rank_of(r, 2).boundary_owner(i, EVERY) == r]
+    assert ranks[0]["boundaries"].tolist() == [0, 4] and ranks[1]["boundaries"].tolist() == [2]  # in turn
     top = read_sharded_manifest(str(url))
     assert [(s["rank"], s["blocks"]) for s in top["shards"]] == [(r, blocks(p)) for r, p in enumerate(parts)]
     for r in range(2):  # shard r is rank r's: its blocks, its rows only

@@ -45,7 +45,7 @@ def activation_bytes_per_token(model: PrefixLM) -> int:
         ids = torch.arange(1 + n, device=p.device) % model.config.vocab_size
         state = empty_state(model, ids[:2], 1)
         with torch.no_grad():
-            store_chunk(state, 0, run_chunk(model, state, 0, 1))
+            store_chunk(model, state, 0, run_chunk(model, state, 0))
         small = _saved_bytes(model, ids, state.layers, PROBE_TOKENS)
         large = _saved_bytes(model, ids, state.layers, n)
         cache[key] = max(1, -(-(large - small) // PROBE_TOKENS))

@@ -17,7 +17,7 @@ from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
-from .chunks import Kept, check_prompt, chunk_with_graph, chunks_per_rank, empty_state, run_chunk, store_chunk
+from .chunks import Kept, check_prompt, chunk_with_graph, empty_state, run_chunk, store_chunk
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval
 
 
@@ -49,10 +49,13 @@ def capture(
     size) without autograd; this rank's shard of it on a sequence-parallel group (every rank passes the same
     prompt).
 
-    `exact=True`: also keep the boundary states at every `state.boundary_every`-th chunk start (those this rank
-    owns; they are stored with the state, so a stored state can run the prompt backward without a recapture),
+    `exact=True`: also keep the boundary states at every `state.boundary_every`-th chunk start (one rank of the
+    group each; they are stored with the state, so a stored state can run the prompt backward without a recapture),
     and the graphs of the final chunks that fit the graph budget (in memory only, `state.graphs`)."""
     engine = as_engine(engine)
+    p = next(model.parameters())
+    parallel.check_agree("capture settings", {**engine.model_dump(), "exact": exact, "dtype": str(p.dtype),
+                                              "model": model.config.fingerprint})
     prompt = check_prompt(model, prompt_ids, parallel)
     state = empty_state(model, prompt, engine.prompt_chunk, parallel)
     n = len(state.chunks)
@@ -61,14 +64,13 @@ def capture(
         free = parallel.agree_min(free_bytes(next(model.parameters()).device))  # every rank decides alike
         budget = free // 4 if engine.prompt_graph_budget is None else engine.prompt_graph_budget
         first_kept = n - kept_chunk_count(model, state.chunks, budget)
-        state.boundary_every = boundary_interval(engine, max(chunks_per_rank(state, parallel)), state.fixed_nbytes,
-                                                 free)
+        state.boundary_every = boundary_interval(engine, -(-n // parallel.size), state.fixed_nbytes, free)
         if first_kept < n:
             state.graphs = PromptGraphs(state.grad_buffer(), {})
-    for i, (s, e) in enumerate(tqdm(state.chunks, desc="capture", unit="chunk", disable=not progress, leave=False)):
-        # global chunk index, owner only; taken before the chunk moves the state on. Kept even where the chunk's
-        # graph is kept too: a stored state has no graphs, and its prompt backward recomputes from these.
-        if exact and i % state.boundary_every == 0 and state.owns(s):
+    for i in tqdm(range(n), desc="capture", unit="chunk", disable=not progress, leave=False):
+        # one rank keeps each; taken before the chunk moves the state on. Kept even where the chunk's graph is
+        # kept too: a stored state has no graphs, and its prompt backward recomputes from these.
+        if exact and i % state.boundary_every == 0 and parallel.boundary_owner(i, state.boundary_every) == parallel.rank:
             state.boundaries[i] = boundary_states(state.layers)
         if i >= first_kept:
             with torch.enable_grad():
@@ -76,8 +78,8 @@ def capture(
                                                         boundary_states(state.layers), parallel)
             emitted = state.graphs.kept[i][0]
         else:
-            emitted = run_chunk(model, state, s, e, parallel=parallel)
-        store_chunk(state, s, emitted)
+            emitted = run_chunk(model, state, i, parallel=parallel)
+        store_chunk(model, state, i, emitted, parallel)
     return state
 
 

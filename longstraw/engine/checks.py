@@ -81,10 +81,12 @@ def check_state(model: PrefixLM, state: PrefixState, parallel: SequenceGroup = O
             "this prefix state was captured with a different model architecture "
             f"({state.model_fingerprint} != {model.config.fingerprint}); capture the prompt again with this model"
         )
-    shard = state.shard or (0, state.length)
-    if shard != tuple(parallel.ranges(state.length)[parallel.rank]):
+    expected = [parallel.chunk_blocks(i, s, e)[parallel.rank] for i, (s, e) in enumerate(state.chunks)]
+    if parallel.size == 1:
+        expected = [(0, state.length)]
+    if list(state.rows.blocks) != expected:
         if parallel.size == 1:
-            raise ValueError(f"this prefix state is one rank's shard (tokens {shard}); pass the `parallel` group it "
-                             "was captured with")
-        raise ValueError(f"this prefix state holds tokens {shard}, not rank {parallel.rank}'s range of this "
+            raise ValueError(f"this prefix state is one rank's shard ({state.rows.rows} of {state.length} tokens); "
+                             "pass the `parallel` group it was captured with")
+        raise ValueError(f"this prefix state is not rank {parallel.rank}'s part (its block of every chunk) of this "
                          f"{parallel.size}-rank group; capture it with the same `parallel` group")

@@ -2,9 +2,11 @@
 
 A chunk reads the per-token rows of the earlier chunks and the fixed-size states at its start (or leaves standing
 for them), and emits what it adds to the state. Capture runs chunks without autograd; exact mode runs them with
-autograd, from capture (the kept graphs) or in the prompt backward (recomputed). Sharded over a
-sequence-parallel group, every rank runs every chunk (longstraw/parallel/sequence.py); each keeps the rows of
-its own token range, and chunks never straddle two ranges.
+autograd, from capture (the kept graphs) or in the prompt backward (recomputed).
+
+Over a sequence-parallel group every rank holds its block of every chunk (parallel/sequence.py). Under the split
+schedule (`splits`) a rank runs only its block and emits that block's rows; under the replicated one it runs the
+whole chunk and keeps its block's rows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
-from ..state import LayerState, PrefixState, PrefixView, Segment
+from ..state import LayerState, PrefixState, PrefixView, RowMap, Segment
+from ..state.segment import ChunkSplit
 from .checks import as_ids
 
 Kept = tuple[dict[int, LayerState], list[LayerState]]  # a chunk's emitted state and the leaves it read
@@ -25,24 +28,51 @@ def chunk_ranges(length: int, chunk_size: int, start: int = 0) -> list[tuple[int
     return [(s, min(s + chunk_size, length)) for s in range(start, length, chunk_size)]
 
 
+def prompt_chunks(length: int, chunk_size: int, parallel: SequenceGroup = ONE_RANK) -> list[tuple[int, int]]:
+    """The chunks of a `length`-token state; on a group, a last chunk too short to give every rank a token joins
+    the one before it."""
+    chunks = chunk_ranges(length, chunk_size)
+    if len(chunks) > 1 and chunks[-1][1] - chunks[-1][0] < parallel.size:
+        chunks[-2:] = [(chunks[-2][0], chunks[-1][1])]
+    return chunks
+
+
+def held_rows(chunks: list[tuple[int, int]], parallel: SequenceGroup = ONE_RANK) -> RowMap:
+    """The positions of the rows this rank of `parallel` holds: its block of every chunk."""
+    if parallel.size == 1:
+        return RowMap.whole(chunks[-1][1] if chunks else 0)
+    return RowMap(tuple(parallel.chunk_blocks(i, s, e)[parallel.rank] for i, (s, e) in enumerate(chunks)))
+
+
+def splits(model: PrefixLM, parallel: SequenceGroup) -> bool:
+    """Whether the ranks run only their blocks of each chunk (else every rank runs whole chunks)."""
+    return parallel.size > 1 and model.splits_tokens
+
+
 def run_chunk(
     model: PrefixLM,
     state: PrefixState,
-    start: int,
-    end: int,
+    i: int,
     prefix: list[LayerState] | None = None,
     grad: dict[int, LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
 ) -> dict[int, LayerState]:
-    """Forward prompt[start:end] on the state of prompt[:start]; returns what each layer adds to the state.
+    """Forward chunk i on the state of the chunks before it; returns what each layer adds to the state (the rows
+    of this rank's block under the split schedule, else of the whole chunk).
 
     `prefix` overrides the layers' states (exact mode passes boundary states as autograd leaves); per-token
-    layers read their rows [:start]. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
+    layers read their rows before the chunk. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
     """
-    ids = state.prompt_ids[start:end][None]
-    view = PrefixView(prefix or state.layers, start, grad, state.offset, parallel)
-    seg = Segment(start=start, prefix=view, collect=True)
-    model.emit_states(ids, seg)
+    s, e = state.chunks[i]
+    view = PrefixView(prefix or state.layers, s, grad, state.rows, parallel)
+    if splits(model, parallel):
+        blocks = parallel.chunk_blocks(i, s, e)
+        a, b = blocks[parallel.rank]
+        seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel))
+        model.emit_states(state.prompt_ids[a:b][None], seg)
+    else:
+        seg = Segment(start=s, prefix=view, collect=True)
+        model.emit_states(state.prompt_ids[s:e][None], seg)
     return seg.emitted
 
 
@@ -51,33 +81,40 @@ def chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: dict[int
     """Chunk i with autograd (call it under enable_grad), reading leaves: its `boundary` states as fresh ones (so
     each chunk's graph stands alone), the per-token rows before it as themselves (their gradient goes into
     `grad`)."""
-    s, e = state.chunks[i]
     leaves = [boundary.get(j, layer).leaf() for j, layer in enumerate(state.layers)]
-    return run_chunk(model, state, s, e, leaves, grad, parallel), leaves
+    return run_chunk(model, state, i, leaves, grad, parallel), leaves
 
 
 def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int,
                 parallel: SequenceGroup = ONE_RANK) -> PrefixState:
-    """The state before any chunk: this rank's rows of its token range, to fill; chunks cut at the ranges."""
+    """The state before any chunk: this rank's rows (its block of every chunk), to fill."""
+    if chunk_size < parallel.size:
+        raise ValueError(f"prompt_chunk {chunk_size} is smaller than the {parallel.size} sequence-parallel ranks that "
+                         f"split each chunk; use prompt_chunk >= {parallel.size}")
     p = next(model.parameters())
-    ranges = parallel.ranges(prompt_ids.numel() - 1)
-    a, b = ranges[parallel.rank]
-    chunks = [c for ra, rb in ranges for c in chunk_ranges(rb, chunk_size, ra)]
-    layers = model.empty_state(b - a, p.dtype, p.device)
-    return PrefixState(layers, prompt_ids.to(p.device), chunks, model.config.fingerprint, shard=(a, b))
+    chunks = prompt_chunks(prompt_ids.numel() - 1, chunk_size, parallel)
+    rows = held_rows(chunks, parallel)
+    layers = model.empty_state(rows.rows, p.dtype, p.device)
+    return PrefixState(layers, prompt_ids.to(p.device), chunks, model.config.fingerprint, rows=rows)
 
 
-def chunks_per_rank(state: PrefixState, parallel: SequenceGroup) -> list[int]:
-    owners = [parallel.owner(s, state.length) for s, _ in state.chunks]
-    return [owners.count(r) for r in range(parallel.size)]
+def block_rows(state: PrefixState, i: int, parallel: SequenceGroup) -> tuple[int, int, int]:
+    """(first row, rows, offset in the chunk) of this rank's block of chunk i."""
+    s, e = state.chunks[i]
+    a, b = parallel.chunk_blocks(i, s, e)[parallel.rank]
+    return state.rows.before(a), b - a, a - s
 
 
-def store_chunk(state: PrefixState, start: int, emitted: dict[int, LayerState]) -> None:
-    """Add a chunk's emitted state (batch row 0) to the prefix state: its rows where they are owned."""
-    owned = state.owns(start)
-    for i, new in emitted.items():
-        layer = state.layers[i]
-        state.layers[i] = layer.append(start - state.offset, new.row(0)) if owned else layer.advance(new.row(0))
+def store_chunk(model: PrefixLM, state: PrefixState, i: int, emitted: dict[int, LayerState],
+                parallel: SequenceGroup = ONE_RANK) -> None:
+    """Add chunk i's emitted state (batch row 0) to the prefix state: this rank's block of its rows."""
+    row, count, offset = block_rows(state, i, parallel)
+    whole = not splits(model, parallel)  # emitted rows are the whole chunk's: keep this rank's block
+    for j, new in emitted.items():
+        new = new.row(0)
+        if new.token_axis is not None and whole:
+            new = new.narrow(offset, offset + count)
+        state.layers[j] = state.layers[j].append(row, new)
 
 
 def check_prompt(model: PrefixLM, prompt_ids, parallel: SequenceGroup = ONE_RANK) -> torch.Tensor:

@@ -56,6 +56,7 @@ def grpo_backward(
         raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
     if mode == "naive" and parallel.size * parallel.dp_size > 1:
         raise ValueError("naive mode is the one-process reference and has no state to shard; run it on one rank")
+    parallel.check_agree("grpo_backward settings", {"mode": mode, **loss.model_dump(), **engine.model_dump()})
     prompt = check_prompt(model, prompt_ids, parallel)
     branches = Branches.group(responses, advantages, loss, vocab_size=model.config.vocab_size,
                               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)

@@ -6,21 +6,26 @@ make of it: per-token layers accumulate into it in place over all branches and l
 entry is the gradient of its state at the current chunk boundary. A chunk is recomputed from its boundary states
 (kept at capture, or regenerated from the last kept one before it), unless capture kept its graph.
 
-Sharded over a sequence-parallel group, every rank runs every chunk; what one rank owns (a chunk's dState rows,
-its kept boundary states) it hands to the others with `SequenceGroup.share`, and each rank's rows before the
-chunk collect their share. On one rank the same code runs with collectives that do nothing.
+Over a sequence-parallel group every rank runs every chunk; one rank keeps each chunk's boundary states and hands
+them to the others (`SequenceGroup.share`). Under the split schedule a rank back-propagates its block: its rows'
+dState is its own, the fixed-size states (the same on every rank) take 1/C of their gradient on each rank, and
+what is partial per rank (the chunk's starting states' gradients, the parameters') is summed over the group.
+Under the replicated schedule every rank back-propagates the whole chunk, whose rows' dState the ranks gather
+from their blocks. On one rank the same code runs with collectives that do nothing.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup
+from ..parallel import ONE_RANK, SequenceGroup, gradient_replicas, is_sharded
 from ..state import LayerState, PrefixState, boundary_states
 from .checks import check_state
-from .chunks import chunk_with_graph, run_chunk
+from .chunks import block_rows, chunk_with_graph, run_chunk, splits
 
 Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size states at its start, by layer
 
@@ -35,6 +40,9 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     before it, into its boundary leaves (whose gradients become the fixed-size layers' entries for chunk i-1) and
     into the parameters. The state is left as it is (its kept graphs are used up)."""
     check_state(model, state, parallel)
+    parallel.check_agree("prompt backward settings", {
+        "chunks": len(state.chunks), "boundary_every": state.boundary_every,
+        "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept)})
     kept = {}
     if state.graphs is not None:  # the kept graphs add into their own buffer: make it the one
         if state.graphs.dstate is not dstate:
@@ -45,52 +53,94 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     for g in dstate.values():
         for t in g.tensors():
             parallel.dp_sum_(t).div_(parallel.dp_size)
+    split = splits(model, parallel)
     stored: Boundaries = dict(state.boundaries)  # consumed here; the state keeps its own
     shared: Boundaries = {}  # the boundaries every rank holds: regenerated, or handed on by their owner
-    for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk", disable=not progress,
-                  leave=False):
-        s, e = state.chunks[i]
-        if i in kept:
-            emitted, leaves = kept.pop(i)
-        else:
-            boundary = _boundary(model, state, i, stored, shared, parallel)
-            with torch.enable_grad():
-                emitted, leaves = chunk_with_graph(model, state, i, dstate, boundary, parallel)
-        owner = parallel.owner(s, state.length)
-        outputs, grads = [], []
-        for j, new in emitted.items():
-            outputs += new.differentiable()
-            if new.token_axis is None:  # a fixed-size state: its dState entry is replicated
-                grads += dstate[j].segment_grads(s, e)
-            else:  # the owner's rows, on every rank
-                mine = dstate[j].segment_grads(s - state.offset, e - state.offset) if state.owns(s) else None
-                grads += parallel.share(mine, new.differentiable(), owner)
-        # with frozen weights (LoRA) some outputs have no path to anything trainable (layer 0's K/V of chunk 0)
-        live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        if live:
-            torch.autograd.backward(*map(list, zip(*live)))
-        for j, leaf in enumerate(leaves):
-            if (g := leaf.leaf_grad()) is not None:
-                dstate[j] = g
+    with _partial_gradients(model, parallel, split):
+        for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk",
+                      disable=not progress, leave=False):
+            if i in kept:
+                emitted, leaves = kept.pop(i)
+            else:
+                boundary = _boundary(model, state, i, stored, shared, parallel)
+                with torch.enable_grad():
+                    emitted, leaves = chunk_with_graph(model, state, i, dstate, boundary, parallel)
+            outputs, grads = [], []
+            for j, new in emitted.items():
+                outputs += new.differentiable()
+                grads += _output_grads(state, i, dstate[j], parallel, split)
+            # with frozen weights (LoRA) some outputs have no path to anything trainable (layer 0's K/V of chunk 0)
+            live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            if live:
+                torch.autograd.backward(*map(list, zip(*live)))
+            for j, leaf in enumerate(leaves):
+                if (g := leaf.leaf_grad()) is not None:
+                    if split:  # each rank's share of the chunk's starting state's gradient
+                        for t in g.tensors():
+                            parallel.sum_(t)
+                    dstate[j] = g
+
+
+def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: SequenceGroup, split: bool
+                  ) -> list[torch.Tensor]:
+    """The gradients of what chunk i emitted into layer state `grad`'s layer, read from dState."""
+    s, e = state.chunks[i]
+    if grad.token_axis is None:  # a fixed-size state, the same on every rank: split, each rank feeds 1/C of it
+        return [g / parallel.size for g in grad.segment_grads(s, e)] if split else grad.segment_grads(s, e)
+    row, count, _ = block_rows(state, i, parallel)
+    mine = grad.segment_grads(row, row + count)
+    if split or parallel.size == 1:
+        return mine
+    # replicated: the whole chunk's rows, from every rank's block, in position order
+    blocks = parallel.chunk_blocks(i, s, e)
+    order = sorted(range(parallel.size), key=lambda r: blocks[r][0])
+    sizes = [b - a for a, b in blocks]
+    out = []
+    for t in mine:
+        parts = parallel.gather_blocks(t, sizes, dim=-2)
+        out.append(torch.cat([parts[r] for r in order], dim=-2))
+    return out
+
+
+@contextmanager
+def _partial_gradients(model: PrefixLM, parallel: SequenceGroup, split: bool):
+    """Under the split schedule each rank's parameter gradient is its blocks' share: sum it over the group. What
+    `param.grad` held before (the replays', the same on every rank) is divided by C first, so the sum counts it
+    once; FSDP sums over all ranks itself and is told these gradients are not replicated."""
+    if not split:
+        yield
+        return
+    if is_sharded(model):
+        with gradient_replicas(model, 1, then=parallel.size):
+            yield
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(parallel.size)
+    yield
+    for p in params:
+        if p.grad is not None:
+            parallel.sum_(p.grad)
 
 
 def _boundary(model: PrefixLM, state: PrefixState, i: int, stored: Boundaries, shared: Boundaries,
               parallel: SequenceGroup) -> dict[int, LayerState]:
-    """The boundary states at chunk i's start. If no rank holds them yet, the owner of the last kept one before
+    """The boundary states at chunk i's start. If no rank holds them yet, the rank that kept the last one before
     it (chunk j = i - i % boundary_every) hands that one to every rank, and all ranks regenerate those of chunks
     j+1..i from it together, which leaves them on every rank for the chunks that follow (i-1, ..., j)."""
     if i not in shared:
         j = i - i % state.boundary_every
-        s = state.chunks[j][0]
+        owner = parallel.boundary_owner(j, state.boundary_every)
         like = boundary_states(state.layers)
-        mine = stored.pop(j) if state.owns(s) else None
+        mine = stored.pop(j) if owner == parallel.rank else None
         flat = parallel.share(None if mine is None else [t for b in mine.values() for t in b.tensors()],
-                              [t for b in like.values() for t in b.tensors()], parallel.owner(s, state.length))
+                              [t for b in like.values() for t in b.tensors()], owner)
         it = iter(flat)
         shared[j] = {k: b.map(lambda _: next(it)) for k, b in like.items()}
         with torch.no_grad():
             for c in range(j, i):
                 prefix = [shared[c].get(k, layer) for k, layer in enumerate(state.layers)]
-                emitted = run_chunk(model, state, *state.chunks[c], prefix, parallel=parallel)
+                emitted = run_chunk(model, state, c, prefix, parallel=parallel)
                 shared[c + 1] = {k: b for k, new in emitted.items() if (b := new.row(0).boundary()) is not None}
     return shared.pop(i)

@@ -50,7 +50,7 @@ def replay_logprobs(
         inputs[i, 0] = state.prompt_ids[-1]
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
-    view = PrefixView(prefix or state.layers, state.length, grad, state.offset, parallel)
+    view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
     seg = Segment(start=state.length, prefix=view)
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
@@ -65,6 +65,7 @@ def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config.max_position_embeddings)
+    parallel.check_agree("score settings", {"branch_batch": branch_batch, "branches": len(resp)})
     out: list[torch.Tensor] = []
     for b in range(0, len(resp), branch_batch):
         out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel)
@@ -105,6 +106,8 @@ def replay(
     the data-parallel groups (a collective over them: each group replays its slice)."""
     check_state(model, state, parallel)
     check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
+    parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
+                                             "branches": len(branches)})
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
     totals = dict.fromkeys(LOSS_TOTALS, 0.0)
     mode = "detached" if dstate is None else "exact"

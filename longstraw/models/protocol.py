@@ -16,6 +16,7 @@ from .config import ModelConfig
 class PrefixLM(Protocol):
     config: ModelConfig
     fp32_suffixes: tuple[str, ...]  # parameters kept in at least fp32 whatever the model dtype
+    splits_tokens: bool  # the ranks of a group may each run only their block of a prompt chunk (sequence.py)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """As nn.Module's: the engine reads the model's dtype and device from the first."""

@@ -100,6 +100,36 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, l2norm: boo
     return torch.stack(outs, dim=2).transpose(1, 2).to(out_dtype), state
 
 
+def split_gated_delta_rule(q, k, v, g, beta, initial_state, group, order: list[int]) -> tuple[Tensor, Tensor]:
+    """The rule over a chunk whose consecutive blocks the ranks of `group` hold (this rank: q..beta of its block,
+    batch first; `order`: the ranks in position order; `initial_state`: the chunk's, or None for zeros).
+
+    The rule is linear in its state: over a block, S_end = A S_in + B, and o_t = S_in^T qa_t + ob_t. One pass
+    with the values widened by dk zero columns and the initial state [I | 0] gives all of them at once: the
+    first dk columns of the state evolve to A and of the outputs to qa, the others to B and ob. The ranks
+    all-gather their (A, B), compose them in position order to get each block's S_in and the chunk's final
+    state (the same on every rank), and correct their outputs. Twice the recurrence's work on 1/C of the tokens,
+    and one all-gather of C states. Returns (o, final state) as `gated_delta_rule`."""
+    b, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    widened = torch.cat([v.new_zeros(b, t, hv, dk), v], dim=-1)
+    eye = torch.eye(dk, dtype=acc, device=v.device).expand(b, hv, dk, dk)
+    start = torch.cat([eye, eye.new_zeros(b, hv, dk, dv)], dim=-1)
+    o, summary = gated_delta_rule(q, k, widened, g, beta, start)
+    qa, ob = o.split([dk, dv], dim=-1)
+    summaries = group.gather_blocks(summary, [b] * group.size, dim=0, autograd=True)
+    state = eye.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.to(acc)
+    mine = state
+    for r in order:
+        if r == group.rank:
+            mine = state
+        a, s = summaries[r].split([dk, dv], dim=-1)
+        state = a @ state + s
+    out = torch.einsum("bthk,bhkv->bthv", qa.to(acc), mine) + ob.to(acc)
+    return out.to(q.dtype), state
+
+
 def _fla_kernel(name: str = "chunk_gated_delta_rule"):
     """flash-linear-attention's `name` from fla.ops.gated_delta_rule (chunk, or fused_recurrent_gated_delta_rule),
     None where it is not installed."""

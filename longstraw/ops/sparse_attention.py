@@ -4,8 +4,9 @@ Positions 0..N-1 are the prefix state (constant to autograd; the backward adds i
 N..N+T-1 the segment's own tokens (ordinary autograd inputs). Memory stays bounded: selection streams over the
 prefix in blocks, attention processes queries in blocks and recomputes the gathers in backward.
 
-Sharded over a sequence-parallel group, a rank holds prefix rows [offset, offset + rows) only. Selection is
-global: each rank's top-k candidates are gathered and merged with the own tokens under the same tie rule.
+Sharded over a sequence-parallel group, a rank holds some prefix rows only, at the positions `row_positions`
+gives (ascending). Selection is global: each rank's top-k candidates are gathered and merged with the own tokens
+under the same tie rule.
 Attention is two partial softmaxes, over the selected prefix rows (this rank's, merged by log-sum-exp over the
 group) and over the selected own rows; the backward uses the merged output, and sums the ranks' shares of dq.
 """
@@ -35,11 +36,11 @@ def _keep_topk(vals: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def topk_candidates(score_blocks, k: int) -> tuple[Tensor, Tensor] | None:
-    """(scores, positions) [B, T, k'] of the k best positions over an iterator of (first_position, scores
+    """(scores, positions) [B, T, k'] of the k best positions over an iterator of (positions [L], scores
     [B, T, L]) in increasing position order (None if it is empty); -inf marks positions a query may not see."""
     run = None
-    for p0, s in score_blocks:
-        pos = torch.arange(p0, p0 + s.shape[-1], device=s.device).expand_as(s)
+    for positions, s in score_blocks:
+        pos = positions.expand_as(s)
         run = (s, pos) if run is None else (torch.cat([run[0], s], dim=-1), torch.cat([run[1], pos], dim=-1))
         run = _keep_topk(*run, k)
     return run
@@ -58,30 +59,44 @@ def select_topk_global(prefix_blocks, own: tuple[int, Tensor], k: int,
     followed by the own tokens (first position, scores), the same on every rank."""
     if parallel.size == 1:
         return select_topk(itertools.chain(prefix_blocks, [own]), k)
-    n, own_scores = own
+    own_positions, own_scores = own
     local = topk_candidates(prefix_blocks, k)
     shape = (*own_scores.shape[:-1], k)
     vals = own_scores.new_full(shape, NEG)
     pos = torch.zeros(shape, dtype=torch.long, device=own_scores.device)
     if local is not None:  # pad to k: every rank gathers the same shape; padding is -inf, never chosen over a row
         vals[..., : local[0].shape[-1]], pos[..., : local[1].shape[-1]] = local
-    gathered_v, gathered_p = parallel.gather(vals), parallel.gather(pos)  # ranks in order: positions ascend
-    own_pos = torch.arange(n, n + own_scores.shape[-1], device=own_scores.device).expand_as(own_scores)
-    vals, pos = _keep_topk(torch.cat([*gathered_v, own_scores], -1), torch.cat([*gathered_p, own_pos], -1), k)
+    vals = torch.cat([*parallel.gather(vals), own_scores], -1)
+    pos = torch.cat([*parallel.gather(pos), own_positions.expand_as(own_scores)], -1)
+    # the ranks' rows interleave: into position order, so that the tie rule (the lower position) holds
+    order = pos.argsort(dim=-1, stable=True)
+    vals, pos = _keep_topk(vals.gather(-1, order), pos.gather(-1, order), k)
     return pos, vals > NEG
 
 
-def _where_rows(prefix: Tensor | None, own: Tensor, pos: Tensor, n: int, offset: int):
-    """The rows at global positions `pos` ([B, t, k]) of prefix (this rank's: [offset, offset + rows)) ++ own
-    [B, T, D] -> (keys [B, t, k, D], in_prefix, mine: the prefix rows this rank holds)."""
+def _local_rows(pos: Tensor, rows: int, row_positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(row index, held) of global prefix positions `pos` on this rank, whose rows sit at `row_positions`
+    (ascending; None: rows 0..rows-1 are positions 0..rows-1)."""
+    if row_positions is None:
+        return pos.clamp(0, max(rows - 1, 0)), pos < rows
+    if rows == 0:
+        return torch.zeros_like(pos), torch.zeros_like(pos, dtype=torch.bool)
+    local = torch.searchsorted(row_positions, pos).clamp(max=rows - 1)
+    return local, row_positions[local] == pos
+
+
+def _where_rows(prefix: Tensor | None, own: Tensor, pos: Tensor, n: int, row_positions: Tensor | None):
+    """The rows at global positions `pos` ([B, t, k]) of prefix (this rank's rows, see `_local_rows`) ++ own
+    [B, T, D] -> (keys [B, t, k, D], in_prefix, mine: the prefix rows this rank holds, local: their row)."""
     b = own.shape[0]
     in_prefix = pos < n
     rows = 0 if prefix is None else prefix.shape[0]
-    mine = in_prefix & (pos >= offset) & (pos < offset + rows)
+    local, held = _local_rows(pos, rows, row_positions)
+    mine = in_prefix & held
     keys = own[torch.arange(b, device=own.device)[:, None, None], (pos - n).clamp(min=0)]
     if rows:
-        keys = torch.where(mine[..., None], prefix[(pos - offset).clamp(0, rows - 1)], keys)
-    return keys, in_prefix, mine
+        keys = torch.where(mine[..., None], prefix[local], keys)
+    return keys, in_prefix, mine, local
 
 
 def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,12 +109,12 @@ def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
 
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel):
+    def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, row_positions, parallel):
         acc = torch.promote_types(q.dtype, torch.float32)
         parts = {"pre": [], "own": []}
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
-            keys, in_prefix, mine = _where_rows(prefix, own, pos[:, sl], n, offset)
+            keys, in_prefix, mine, _ = _where_rows(prefix, own, pos[:, sl], n, row_positions)
             keys = keys.to(acc)
             s = torch.einsum("bthd,btkd->bthk", q[:, sl].to(acc), keys) * scale
             vb = valid[:, sl, None, :]
@@ -109,13 +124,13 @@ class _SparseLatentAttention(torch.autograd.Function):
         out, lse = merge_parts(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
         ctx.save_for_backward(q, own, pos, valid, out, lse)
         ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim
-        ctx.n, ctx.offset, ctx.parallel = n, offset, parallel
+        ctx.n, ctx.row_positions, ctx.parallel = n, row_positions, parallel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, own, pos, valid, out, lse = ctx.saved_tensors
-        prefix, sink, scale, vdim, n, offset = ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim, ctx.n, ctx.offset
+        prefix, sink, scale, vdim, n = ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim, ctx.n
         acc = lse.dtype
         dq_own = torch.zeros_like(q, dtype=acc)
         dq_pre = torch.zeros_like(q, dtype=acc)
@@ -125,7 +140,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
             pb = pos[:, sl]
-            keys, in_prefix, mine = _where_rows(prefix, own, pb, n, offset)
+            keys, in_prefix, mine, local = _where_rows(prefix, own, pb, n, ctx.row_positions)
             keys = keys.to(acc)
             qb, do = q[:, sl].to(acc), dout[:, sl].to(acc)
             s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
@@ -142,7 +157,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             own_rows = torch.where(in_prefix, 0, pb - n)
             down.index_put_((bidx.expand_as(pb), own_rows), torch.where(in_prefix[..., None], 0, dkeys), accumulate=True)
             if sink is not None and rows:
-                sink.index_put_(((pb - offset).clamp(0, rows - 1),),
+                sink.index_put_((local,),
                                 torch.where(mine[..., None], dkeys, 0).to(sink.dtype), accumulate=True)
         dq_pre = ctx.parallel.sum_(dq_pre)  # all ranks' rows' shares: q's gradient is the same on every rank
         return (dq_own + dq_pre).to(q.dtype), down.to(own.dtype), *([None] * 9)
@@ -159,14 +174,15 @@ def sparse_latent_attention(
     prefix_grad: Tensor | None = None,
     *,
     length: int | None = None,
-    offset: int = 0,
+    row_positions: Tensor | None = None,
     parallel: SequenceGroup = ONE_RANK,
 ) -> Tensor:
     """Softmax attention of q [B, T, H, D] over the selected rows (`pos`, `valid` [B, T, k]) of prefix [N, D] ++
     own [B, T, D], one shared key/value row set for all heads (absorbed MLA: values are the first `vdim` features
     of the keys). Returns [B, T, H, vdim]; with `prefix_grad` [N, D], backward adds dLoss/dprefix into it.
 
-    Sharded over a `parallel` group of several ranks: `prefix` holds positions [offset, offset + rows) of a
-    prefix of `length` positions."""
+    Sharded over a `parallel` group of several ranks: `prefix` holds the rows at `row_positions` (ascending) of
+    a prefix of `length` positions."""
     n = (0 if prefix is None else prefix.shape[0]) if length is None else length
-    return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, offset, parallel)
+    return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, row_positions,
+                                        parallel)

@@ -18,9 +18,10 @@ Why FSDP2 and not DeepSpeed's ZeRO engine:
   expects one `engine.backward(loss)` per micro-step.
 - It is torch itself: no extension to compile, the same code on gloo (CPU tests) and NCCL.
 
-Gradients: every rank of a sequence-parallel group computes the same parameter gradient (see sequence.py); the
-data-parallel groups compute the sums over their own branches. FSDP sums over all N ranks and divides by the
-group size C, which leaves the one-process gradient, sharded. `grpo_backward` sees an FSDP model and leaves the
+Gradients: in replay every rank of a sequence-parallel group computes the same parameter gradient (see
+sequence.py); the data-parallel groups compute the sums over their own branches. FSDP sums over all N ranks and
+divides by the group size C, which leaves the one-process gradient, sharded. A split prompt backward's gradients
+are each rank's own share: it runs under `gradient_replicas(model, 1, ...)`. `grpo_backward` sees an FSDP model and leaves the
 data-parallel sum to FSDP.
 
 Lockstep: FSDP all-gathers a layer's parameters over all N ranks at each of its forwards, so every rank must run
@@ -35,6 +36,8 @@ At 27B / 8 ranks, ZeRO-3 holds 1/8 of the bf16 weights, fp32 gradients and momen
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -106,6 +109,21 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
             module.set_gradient_divide_factor(float(replicas))
             module.set_force_sum_reduction_for_comms(gloo)
     return model
+
+
+@contextmanager
+def gradient_replicas(model: nn.Module, replicas: int, then: int) -> Iterator[None]:
+    """Within: FSDP divides the gradients it sums over all ranks by `replicas` (how many ranks computed each
+    one), and by `then` after. The replays' gradients are the same on the C ranks of a sequence-parallel group;
+    a split prompt backward's are every rank's own share."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_gradient_divide_factor(float(replicas))
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_gradient_divide_factor(float(then))
 
 
 def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage: int,

@@ -4,29 +4,31 @@ collective the identity) and `SequenceParallel` (C ranks of a torch.distributed 
 The engine, the ops and rollout always take a group and never ask whether it is one rank: the single-rank value
 `ONE_RANK` runs the same code with collectives that do nothing, so there is one code path, not two.
 
-Rank r owns the rows of one contiguous, balanced token range (`ranges`); fixed-size states are replicated. Every
-forward over the state (a prompt chunk, a batch of branches, a decode step) is run by all ranks of the group on
-the same tokens: the token-local work is replicated, and attention over the prefix is split by owner. Each rank
-attends the segment's queries over its own rows and the partial results merge exactly by log-sum-exp (`merge`),
-so every rank holds the same output. In a backward the gradient of a rank's own rows stays on it (dState is
-sharded like the state), and the ranks' shares of the queries' gradient are summed (`sum_`), so that everything
-replicated (the segment's activations, parameters, fixed-size states) gets the same, exact gradient on every
-rank: no parameter gradient needs reducing over the group. What a rank owns and must hand to the others (a
-chunk's dState rows, its boundary states) goes by `share`.
+Layout: every prompt chunk is cut into C contiguous blocks, one per rank (`chunk_blocks`), in rank order for even
+chunks and reversed for odd ones, so that the causal work inside chunks evens out over pairs of chunks. A rank
+holds the rows of its block of every chunk (`state.RowMap`); fixed-size states are replicated.
 
-Why this schedule: one primitive serves capture, replay, the exact prompt backward and decoding; all ranks run
-the same collectives in the same order (ZeRO-3 / FSDP gather parameters layer by layer, in lockstep); and at
-long prompts attention over the prefix is most of the work (Qwen3.5-27B at 2.1M tokens: ~88% of a forward's
-FLOPs), which it splits C ways. What it does not split is the token-local work (projections, MLPs, the
-recurrence), which every rank repeats; a layer-major wavefront or LASP-2 state passing would split that too.
+Two schedules run a prompt chunk over that layout (engine/chunks.py):
+- split (models whose mixers all support it: attention, MLA without DSA, Gated DeltaNet): each rank computes only
+  its block, through every layer. Attention: the chunk's earlier blocks' K/V come by all-gather, the rows of
+  earlier chunks stay where they live and every rank's queries visit them (`ops/split_attention.py`); Gated
+  DeltaNet: each block's affine summary of the recurrence is all-gathered and composed (`ops/gated_delta.py`).
+  Parameter gradients are then partial per rank and summed over the group.
+- replicated (DSA models, until their top-k is split too): every rank runs the whole chunk; attention over the
+  prefix is split by owner and merged by log-sum-exp (`merge`), so every rank holds the same output and the
+  same parameter gradient.
+Replay and decoding (few queries over the sharded prefix) always take the replicated pattern: it is the right
+one there. In a backward the gradient of a rank's own rows stays on it (dState is sharded like the state).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 
 Tensor = torch.Tensor
 
@@ -64,13 +66,17 @@ class SequenceGroup:
         per = count // self.dp_size
         return range(self.dp_rank * per, (self.dp_rank + 1) * per)
 
-    def ranges(self, length: int) -> list[tuple[int, int]]:
-        """The token range [start, end) of each rank of the group, in rank order."""
-        return balanced_ranges(length, self.size)
+    def chunk_blocks(self, index: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Chunk `index` = [start, end) cut into one contiguous block per rank, listed by rank: balanced sizes, in
+        rank order for even chunks and reversed for odd ones (the last block of a chunk does the most causal
+        work; alternating who holds it balances the ranks)."""
+        parts = [(start + a, start + b) for a, b in balanced_ranges(end - start, self.size)]
+        return parts if index % 2 == 0 else parts[::-1]
 
-    def owner(self, position: int, length: int) -> int:
-        """The rank whose range of a `length`-token state holds `position`."""
-        return next(r for r, (a, b) in enumerate(self.ranges(length)) if a <= position < b)
+    def boundary_owner(self, index: int, every: int = 1) -> int:
+        """The rank that keeps the boundary states of chunk `index`, one of every `every`-th (they are replicated;
+        one rank stores each, in turn)."""
+        return index // every % self.size
 
     def global_rank(self, rank: int) -> int:
         return rank
@@ -98,6 +104,16 @@ class SequenceGroup:
         ranks their shapes and dtypes."""
         return mine
 
+    def gather_blocks(self, t: Tensor, sizes: list[int], dim: int, autograd: bool = False) -> list[Tensor]:
+        """Every rank's `t`, in rank order, whose length along `dim` is `sizes[rank]` (padded to the longest on
+        the wire). With `autograd`, the backward sends each rank the sum of its block's gradients."""
+        return [t]
+
+    def exchange(self, parts: list[Tensor]) -> list[Tensor]:
+        """All-to-all: `parts[r]` goes to rank r; returns what each rank sent this one, in rank order (every
+        part of one shape on every rank)."""
+        return parts
+
     def dp_sum_(self, t: Tensor) -> Tensor:
         """In place: the sum of `t` over the data-parallel groups."""
         return t
@@ -109,8 +125,25 @@ class SequenceGroup:
     def check_same(self, ids: Tensor, what: str) -> None:
         """ValueError on every rank unless every rank passed the same token ids."""
 
+    def check_agree(self, what: str, settings: dict) -> None:
+        """ValueError on every rank, naming the ranks and their values, unless every rank passed the same
+        `settings` (JSON-able): those that decide the sequence of collectives (chunk, branch batch, boundary
+        interval, mode, dtype). Call it before the first collective that depends on them."""
+
 
 ONE_RANK = SequenceGroup()
+
+
+def _disagreement(texts: list[str], ranks: list[int]) -> str:
+    """Which settings differ between the ranks, with every rank's value."""
+    values = [json.loads(t) for t in texts]
+    keys = sorted({k for v in values for k in v})
+    parts = []
+    for k in keys:
+        seen = [v.get(k) for v in values]
+        if any(x != seen[0] for x in seen):
+            parts.append(f"{k}: " + ", ".join(f"rank {r} has {x!r}" for r, x in zip(ranks, seen)))
+    return "; ".join(parts)
 
 
 class SequenceParallel(SequenceGroup):
@@ -186,22 +219,70 @@ class SequenceParallel(SequenceGroup):
             self.broadcast_(t, owner)
         return rows
 
+    def gather_blocks(self, t: Tensor, sizes: list[int], dim: int, autograd: bool = False) -> list[Tensor]:
+        longest = max(sizes)
+        pad = longest - t.shape[dim]
+        if pad:
+            shape = list(t.shape)
+            shape[dim] = pad
+            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+        t = t.contiguous()
+        self.bytes_communicated += t.nelement() * t.element_size()
+        if autograd:
+            whole = fc.all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)
+            whole = fc.wait_tensor(whole) if isinstance(whole, fc.AsyncCollectiveTensor) else whole
+            parts = whole.unbind(0)
+        else:
+            parts = self.gather(t)
+        return [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+    def exchange(self, parts: list[Tensor]) -> list[Tensor]:
+        send = torch.stack(parts).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.bytes_communicated += send.nelement() * send.element_size() * (self.size - 1) // self.size
+        return list(recv.unbind(0))
+
+    def check_agree(self, what: str, settings: dict) -> None:
+        text = json.dumps(settings, sort_keys=True, default=str).encode()
+        digest = hashlib.sha256(text).digest()
+        mine = torch.tensor([len(text), *digest[:7]], dtype=torch.int64, device=self.device)
+        for group in self._groups():  # the same collectives on every rank, whatever the values
+            if self._same_everywhere(mine, group):
+                continue
+            longest = torch.tensor([len(text)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+            buf = torch.zeros(int(longest), dtype=torch.uint8, device=self.device)
+            buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+            parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, buf, group=group)
+            texts = [bytes(p.cpu().tolist()).rstrip(b"\0").decode() for p in parts]
+            ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(parts))]
+            raise ValueError(f"the ranks passed different {what} ({_disagreement(texts, ranks)}); every rank must "
+                             f"pass the same settings, or their collectives would not match")
+
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t)
 
+    def _groups(self) -> tuple:
+        return (self.group,) if self.dp is None else (self.group, self.dp)
+
+    def _same_everywhere(self, mine: Tensor, group) -> bool:
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        return torch.equal(lo, hi)
+
     def check_same(self, ids: Tensor, what: str) -> None:
         """ValueError on every rank unless every rank passed the same token ids."""
         digest = hashlib.sha256(ids.detach().to(torch.int64).cpu().numpy().tobytes()).digest()
         mine = torch.tensor([ids.numel(), *digest[:7]], dtype=torch.int64, device=self.device)
         same = True
-        for group in (self.group, self.dp) if self.dp is not None else (self.group,):
-            lo, hi = mine.clone(), mine.clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-            same = same and torch.equal(lo, hi)
+        for group in self._groups():
+            same = self._same_everywhere(mine, group) and same
         if not same:
             raise ValueError(f"the ranks of the sequence-parallel group passed different {what}; every rank must "
                              f"pass the same full {what} (rank {self.rank} has {ids.numel()} tokens)")

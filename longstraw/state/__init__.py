@@ -7,7 +7,7 @@ A new state kind is one module here (a dataclass subclassing `TokenState` or `Fi
 
 from .attention import AttentionState
 from .latent import LatentState
-from .prefix import PrefixState, boundary_states
+from .prefix import PrefixState, RowMap, boundary_states
 from .protocol import FixedState, LayerState, TokenState
 from .recurrent import RecurrentState
 from .segment import DecodeCache, PrefixView, Segment
@@ -24,6 +24,7 @@ __all__ = [
     "PrefixState",
     "PrefixView",
     "RecurrentState",
+    "RowMap",
     "Segment",
     "TokenState",
     "boundary_states",

@@ -10,6 +10,37 @@ import torch
 from .protocol import LayerState
 
 
+@dataclass(frozen=True)
+class RowMap:
+    """The prompt positions of the rows one rank holds: ordered, disjoint `blocks` [(start, end)], whose tokens are
+    the rows in order. One process holds one block, (0, length); a rank of a sequence-parallel group holds its
+    block of every prompt chunk (`SequenceGroup.chunk_blocks`)."""
+
+    blocks: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def whole(cls, length: int) -> "RowMap":
+        return cls(((0, length),))
+
+    @property
+    def rows(self) -> int:
+        return sum(e - s for s, e in self.blocks)
+
+    def before(self, position: int) -> int:
+        """How many held rows lie before `position` (the visible rows of a prefix of that length)."""
+        return sum(max(0, min(e, position) - s) for s, e in self.blocks)
+
+    def owns(self, position: int) -> bool:
+        return any(s <= position < e for s, e in self.blocks)
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The position of every held row [rows], ascending."""
+        if len(self.blocks) == 1:
+            s, e = self.blocks[0]
+            return torch.arange(s, e, device=device)
+        return torch.cat([torch.arange(s, e, device=device) for s, e in self.blocks])
+
+
 def boundary_states(layers: Sequence[LayerState]) -> dict[int, LayerState]:
     """The states exact mode keeps at a chunk start, by layer index (the fixed-size ones)."""
     return {i: b for i, s in enumerate(layers) if (b := s.boundary()) is not None}
@@ -22,8 +53,9 @@ class PrefixState:
     `chunks` are the (start, end) ranges the prompt was captured in. For the exact mode, `boundaries[i]` holds
     `boundary_states` at the start of chunk i (to recompute chunk i), for every `boundary_every`-th chunk.
 
-    A state sharded over a sequence-parallel group holds, on each rank, the rows of its `shard` (start, end) of
-    every per-token layer, the whole prompt's fixed-size states, and the boundaries of its own chunks.
+    A state sharded over a sequence-parallel group of C ranks holds, on each rank, the rows of its block of every
+    chunk (`rows`) of every per-token layer, the whole prompt's fixed-size states, and the boundaries of the
+    chunks i with i % C == its rank.
     """
 
     layers: list[LayerState]
@@ -31,19 +63,23 @@ class PrefixState:
     chunks: list[tuple[int, int]]
     model_fingerprint: str
     boundaries: dict[int, dict[int, LayerState]] = field(default_factory=dict)
-    shard: tuple[int, int] | None = None  # the token range of the rows held; None: all of them
+    rows: RowMap | None = None  # the positions of the rows held; None: all of them
     boundary_every: int = 1  # exact mode keeps the boundaries of chunks 0, k, 2k, ... (the others are recomputed)
     # exact mode's capture: the autograd graphs it kept of the last chunks (engine/capture.py: PromptGraphs);
     # in memory only, never stored, used up by the prompt backward
     graphs: object | None = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = RowMap.whole(self.length)
+
     @property
-    def offset(self) -> int:
-        """Position of the first row held."""
-        return 0 if self.shard is None else self.shard[0]
+    def sharded(self) -> bool:
+        """Whether this rank holds only some of the rows."""
+        return self.rows.rows != self.length
 
     def owns(self, position: int) -> bool:
-        return self.shard is None or self.shard[0] <= position < self.shard[1]
+        return self.rows.owns(position)
 
     @property
     def length(self) -> int:

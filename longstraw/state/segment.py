@@ -17,8 +17,11 @@ import torch
 
 from ..ops import sparse_attention
 from ..ops.attention import decode_attention, segment_attention
+from ..ops.gated_delta import gated_delta_rule, split_gated_delta_rule
 from ..ops.sparse_attention import select_topk_global, sparse_latent_attention
+from ..ops.split_attention import split_chunk_attention
 from ..parallel.sequence import ONE_RANK, SequenceGroup
+from .prefix import RowMap
 from .protocol import LayerState, TokenState
 
 Tensor = torch.Tensor
@@ -30,14 +33,23 @@ class PrefixView:
     (`grads`, one per layer) that the backward adds dLoss/dPrefix into.
 
     Sharded over a sequence-parallel group (`parallel`; ONE_RANK: all of it is here), per-token layers hold this
-    rank's rows only, the first of them at position `offset`; fixed-size states are the whole prefix's on every
-    rank."""
+    rank's rows only, at the positions `rows` gives (None: rows are positions 0..); fixed-size states are the
+    whole prefix's on every rank."""
 
     layers: list[LayerState]
     length: int
     grads: dict[int, LayerState] | None = None
-    offset: int = 0
+    rows: RowMap | None = None
     parallel: SequenceGroup = ONE_RANK
+
+    @property
+    def visible_rows(self) -> int:
+        """How many of the held rows lie before `length`."""
+        return self.length if self.rows is None else self.rows.before(self.length)
+
+    def row_positions(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.visible_rows, device=device) if self.rows is None else \
+            self.rows.positions(device)[: self.visible_rows]
 
     def __getitem__(self, layer: int) -> LayerState:
         return self.layers[layer]
@@ -74,6 +86,30 @@ class DecodeCache:
         return buf if self.static else buf.narrow(0, self.filled + new.tokens)
 
 
+@dataclass(frozen=True)
+class ChunkSplit:
+    """This rank's block of a prompt chunk whose blocks the ranks of `group` compute together (the split schedule,
+    parallel/sequence.py): `blocks` are the blocks' (start, end) by rank."""
+
+    blocks: list[tuple[int, int]]
+    group: SequenceGroup
+
+    @property
+    def sizes(self) -> list[int]:
+        return [e - s for s, e in self.blocks]
+
+    @property
+    def order(self) -> list[int]:
+        """The ranks in the position order of their blocks."""
+        return sorted(range(len(self.blocks)), key=lambda r: self.blocks[r][0])
+
+    @property
+    def earlier(self) -> list[int]:
+        """The ranks whose blocks precede this rank's, in position order."""
+        mine = self.blocks[self.group.rank][0]
+        return [r for r in self.order if self.blocks[r][0] < mine]
+
+
 class Segment:
     """Positions `start`.. of a forward. `prefix` (None: the segment starts at the sequence start) is read, never
     written. With `collect`, each layer hands what it adds to the state to `emitted` (per-token rows, or the final
@@ -84,8 +120,8 @@ class Segment:
     and reassembles the containers), which would leave each layer writing into a copy."""
 
     def __init__(self, start: int = 0, prefix: PrefixView | None = None, cache: DecodeCache | None = None,
-                 collect: bool = False) -> None:
-        self.start, self.prefix, self.cache, self.collect = start, prefix, cache, collect
+                 collect: bool = False, split: ChunkSplit | None = None) -> None:
+        self.start, self.prefix, self.cache, self.collect, self.split = start, prefix, cache, collect, split
         self.emitted: dict[int, LayerState] = {}
         # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers
         self.dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -105,8 +141,7 @@ class Segment:
         return 0 if self.prefix is None else self.prefix.length
 
     def _visible(self, rows: LayerState) -> LayerState:
-        p = self.prefix
-        return rows.narrow(0, min(max(p.length - p.offset, 0), rows.tokens))
+        return rows.narrow(0, min(self.prefix.visible_rows, rows.tokens))
 
     def prefix_rows(self, layer: int) -> LayerState | None:
         """The visible rows of a per-token layer's prefix state (this rank's, when sharded: maybe none of them);
@@ -141,14 +176,45 @@ class Segment:
 
         `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
         for `own` (k and v may be one tensor: absorbed MLA's shared latent head)."""
+        k, v = heads(own)
+        if self.split is not None:
+            sink = self.prefix_grad(layer)
+            return split_chunk_attention(q, k, v, scale, heads(self._visible(self.prefix.layers[layer])),
+                                         None if sink is None else heads(sink), self.split.sizes,
+                                         self.split.earlier, self.split.group)
         rows = self.prefix_rows(layer)
         prefix = None if rows is None else heads(rows)
-        k, v = heads(own)
         if self.cache is not None:
             return decode_attention(q, k, v, scale, prefix, parallel=self.parallel, own_visible=self.cache.visible)
         sink = self.prefix_grad(layer)
         return segment_attention(q, k, v, scale, prefix, None if sink is None else heads(sink),
                                  parallel=self.parallel)
+
+    def conv_tail(self, layer: int, inputs: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """A causal convolution's context: the last `width` inputs before the segment and those at its end, given
+        the segment's inputs [B, dim, T] and the layer's fixed-size state (`.conv` [dim, width]; zeros at the
+        sequence start). On a split chunk, the blocks before this rank's supply the first (a halo) and the
+        chunk's last blocks the second, the same on every rank."""
+        init = self.initial_state(layer)
+        b, dim, _ = inputs.shape
+        start = inputs.new_zeros(b, dim, width) if init is None else init.conv.to(inputs.dtype).expand(b, -1, -1)
+        if self.split is None:
+            return start, torch.cat([start, inputs], dim=-1)[..., -width:]
+        mine = torch.cat([inputs.new_zeros(b, dim, width), inputs], dim=-1)[..., -width:]
+        group, sizes = self.split.group, self.split.sizes
+        tails = group.gather_blocks(mine, [b] * group.size, dim=0, autograd=True)
+        ordered = [tails[r][..., width - min(width, sizes[r]):] for r in self.split.order]
+        before = [tails[r][..., width - min(width, sizes[r]):] for r in self.split.earlier]
+        return (torch.cat([start, *before], dim=-1)[..., -width:], torch.cat([start, *ordered], dim=-1)[..., -width:])
+
+    def delta_rule(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+        """The gated delta rule over the segment from the layer's fixed-size state (`.ssm`; zeros at the sequence
+        start): (o, final state), see ops/gated_delta.py. On a split chunk the ranks compose their blocks."""
+        init = self.initial_state(layer)
+        ssm0 = None if init is None else init.ssm.expand(q.shape[0], -1, -1, -1)
+        if self.split is None:
+            return gated_delta_rule(q, k, v, g, beta, ssm0)
+        return split_gated_delta_rule(q, k, v, g, beta, ssm0, self.split.group, self.split.order)
 
     def select_topk(self, layer: int, k: int, prefix_scores: Callable[[TokenState], Tensor],
                     own_scores: Tensor) -> tuple[Tensor, Tensor]:
@@ -161,14 +227,24 @@ class Segment:
         `own_rows`, unmasked: the segment masks the own rows each query may not see."""
         rows = self.prefix_rows(layer)
         count = 0 if rows is None else rows.tokens
-        offset = 0 if self.prefix is None else self.prefix.offset
+        device = own_scores.device
+        positions = self._row_positions(device)
         kb = sparse_attention.KEY_BLOCK
         # Looping over block numbers, not over range(0, count, kb), lets torch.compile keep `count` symbolic: its
         # guard is on the number of blocks
-        blocks = ((offset + b * kb, prefix_scores(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :])))
+        blocks = ((torch.arange(b * kb, min((b + 1) * kb, count), device=device) if positions is None
+                   else positions[b * kb : (b + 1) * kb],
+                   prefix_scores(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :])))
                   for b in range(-(-count // kb)))
-        own = (self.prefix_length, self._mask_own(own_scores))
+        first = self.prefix_length
+        own = (torch.arange(first, first + own_scores.shape[-1], device=device), self._mask_own(own_scores))
         return select_topk_global(blocks, own, k, self.parallel)
+
+    def _row_positions(self, device: torch.device) -> Tensor | None:
+        """The positions of the held prefix rows when they are not simply 0.. (a sharded prefix), else None."""
+        p = self.prefix
+        return None if p is None or p.rows is None or p.rows.blocks[0][0] == 0 and len(p.rows.blocks) == 1 \
+            else p.row_positions(device)
 
     def _mask_own(self, s: Tensor) -> Tensor:
         """-inf where a query may not see an own row: after it (a segment's own tokens), or not yet written (the
@@ -189,4 +265,4 @@ class Segment:
         return sparse_latent_attention(
             q, rows(own), None if pre is None else rows(pre), *selected, scale, vdim,
             None if sink is None else rows(sink), length=self.prefix_length,
-            offset=0 if self.prefix is None else self.prefix.offset, parallel=self.parallel)
+            row_positions=self._row_positions(q.device), parallel=self.parallel)

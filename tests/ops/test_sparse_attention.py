@@ -27,11 +27,11 @@ def tied_scores(b: int, t: int, length: int, seed: int, levels: int = 4, masked:
 
 
 def blocks_of(scores: torch.Tensor, sizes: list[int]):
-    """(first_position, block) in increasing position order, block widths `sizes`."""
+    """(positions, block) in increasing position order, block widths `sizes`."""
     assert sum(sizes) == scores.shape[-1]
     p0 = 0
     for n in sizes:
-        yield p0, scores[..., p0 : p0 + n]
+        yield torch.arange(p0, p0 + n), scores[..., p0 : p0 + n]
         p0 += n
 
 

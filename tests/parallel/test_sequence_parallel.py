@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.parallel import SequenceParallel, balanced_ranges
+from longstraw.engine.chunks import held_rows, prompt_chunks
+from longstraw.parallel import SequenceGroup, SequenceParallel
 from tests.conftest import GLM, flat_grad, rel_err, tiny_config, tiny_model
 from tests.parallel.launch import run_ranks
 
@@ -16,6 +17,17 @@ PROMPTS = {"qwen3": 23, "qwen3_5_text": 23, "glm_moe_dsa": 41}  # states of 22 /
 CHUNK = 4
 LENGTHS = (5, 2, 7)
 ADV = [1.0, -0.3, -0.7]
+
+
+def layout(length: int, world: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """The chunks of a `length`-token state on `world` ranks, and the positions of each rank's rows."""
+    ranks = []
+    for r in range(world):
+        g = SequenceGroup()
+        g.rank, g.size = r, world
+        chunks = prompt_chunks(length, CHUNK, g)
+        ranks.append(held_rows(chunks, g).positions())
+    return chunks, ranks
 
 
 def group(arch: str):
@@ -72,16 +84,16 @@ def reference(arch: str) -> tuple[torch.nn.Module, ls.PrefixState, dict[str, tor
 def test_sharded_state_matches_one_process(arch, world):
     _, state, ref = reference(arch)
     ranks = run_ranks(world, one_rank, arch, timeout=120)
-    ranges = balanced_ranges(PROMPTS[arch] - 1, world)
+    _, positions = layout(PROMPTS[arch] - 1, world)
+    assert torch.equal(torch.cat(positions).sort().values, torch.arange(PROMPTS[arch] - 1))  # the ranks tile it
     for i, layer in enumerate(state.layers):
         for j, whole in enumerate(layer.tensors()):
             if layer.token_axis is None:  # fixed-size: every rank holds the whole prompt's
                 parts = [r[f"state.{i}.{j}"] for r in ranks]
                 assert all(torch.allclose(p, whole, rtol=1e-10, atol=1e-12) for p in parts)
-            else:  # each rank holds exactly its rows, and they are the one-process rows
-                parts = [r[f"state.{i}.{j}"] for r in ranks]
-                assert [p.shape[-2] for p in parts] == [b - a for a, b in ranges]
-                assert torch.allclose(torch.cat(parts, dim=-2), whole, rtol=1e-10, atol=1e-12)
+            else:  # each rank holds exactly its rows (its block of every chunk), the one-process rows
+                for r, pos in zip(ranks, positions):
+                    assert torch.allclose(r[f"state.{i}.{j}"], whole.index_select(-2, pos), rtol=1e-10, atol=1e-12)
     for r in ranks:
         for key, want in ref.items():
             if key.startswith("logp."):
@@ -119,11 +131,10 @@ def test_sparse_boundaries_are_regenerated_by_all_ranks(world, every):
         assert rel_err(s["grad"], want) <= 1e-10
         assert torch.equal(s["grad"], sparse[0]["grad"])
     fixed = sum(s.fixed_bytes for s in ls.capture(m, prompt, CHUNK).layers)
-    # 22 tokens in chunks of 4: boundaries kept at chunks 0, k, 2k, ... on their owners only
-    owners = [next(r for r, (a, b) in enumerate(balanced_ranges(22, world)) if a <= c < b) for c in range(0, 22, CHUNK)]
+    # 22 tokens in chunks of 4: boundaries kept at chunks 0, k, 2k, ..., by the ranks in turn
+    n = len(layout(22, world)[0])
     for r in range(world):
-        kept = sum(1 for i, o in enumerate(owners) if o == r and i % every == 0)
-        dropped = owners.count(r) - kept
+        dropped = sum(1 for i in range(n) if i % world == r) - sum(1 for i in range(0, n, every) if i // every % world == r)
         assert int(dense[r]["peak_state_bytes"]) - int(sparse[r]["peak_state_bytes"]) == dropped * fixed
 
 
@@ -140,6 +151,11 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
             ls.grpo_backward(m, prompt, rs, ADV, engine=ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         elif case == "prompt shorter than the group":
             ls.capture(m, prompt[:world], CHUNK, parallel=sp)
+        elif case == "different chunk sizes":  # before any collective that depends on it, on every rank
+            ls.capture(m, prompt, CHUNK * 2 if rank == 1 else CHUNK, parallel=sp)
+        elif case == "different branch batches":
+            state = ls.capture(m, prompt, CHUNK, parallel=sp)
+            ls.score(m, state, responses, branch_batch=1 + rank, parallel=sp)
         elif case == "state of another group":
             state = ls.capture(m, prompt, CHUNK)
             ls.score(m, state, responses, parallel=sp)
@@ -153,6 +169,8 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
     ("different responses", "passed different responses"),
     ("prompt shorter than the group", "without a token"),
     ("state of another group", "one rank's shard|not rank"),
+    ("different chunk sizes", r"different capture settings \(prompt_chunk: rank 0 has 4, rank 1 has 8, rank 2 has 4\)"),
+    ("different branch batches", r"different score settings \(branch_batch: rank 0 has 1, rank 1 has 2, rank 2 has 3\)"),
 ])
 def test_bad_input_fails_clearly_on_every_rank(case, message):
     import re
@@ -244,3 +262,28 @@ def test_step_cli_runs_sharded_under_torchrun(tmp_path, capsys, zero):
     else:
         assert sum(sharded["per_rank_param_bytes"]) == params and max(sharded["per_rank_param_bytes"]) < 0.75 * params
     assert name in capsys.readouterr().out
+
+
+def disagreeing_sampler_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank 1's sampler draws other tokens than rank 0's (as two GPUs may on a near-tie): the group still decodes
+    rank 0's tokens, in step (the same number of steps, no hang)."""
+    import importlib
+
+    rollout_module = importlib.import_module("longstraw.rollout")  # `longstraw.rollout` is also the function
+    if rank == 1:
+        real = rollout_module.sample_no_sync
+        rollout_module.sample_no_sync = lambda probs, gens: (real(probs, gens) + 1) % probs.shape[-1]
+    m = model("qwen3_5_text")
+    prompt, _ = group("qwen3_5_text")
+    state = ls.capture(m, prompt, CHUNK, parallel=SequenceParallel())
+    samples = ls.rollout(m, state, n=3, max_new_tokens=7, seed=5, stop_ids=[3], parallel=SequenceParallel())
+    return {f"tokens.{i}": s.tokens for i, s in enumerate(samples)}
+
+
+def test_sampled_tokens_are_agreed_inside_the_group():
+    m = model("qwen3_5_text")
+    prompt, _ = group("qwen3_5_text")
+    want = ls.rollout(m, ls.capture(m, prompt, CHUNK), n=3, max_new_tokens=7, seed=5, stop_ids=[3])
+    ranks = run_ranks(2, disagreeing_sampler_rank, timeout=90)
+    for r in ranks:
+        assert [r[f"tokens.{i}"].tolist() for i in range(3)] == [s.tokens.tolist() for s in want]

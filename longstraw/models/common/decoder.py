@@ -69,6 +69,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def splits_tokens(self) -> bool:
+        """Whether every layer's mixer supports the split schedule (see `TokenMixer.splits_tokens`)."""
+        return all(layer.mixer.splits_tokens for layer in self.model.layers)
+
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> list[LayerState]:
         return [layer.mixer.empty_state(tokens, dtype, device) for layer in self.model.layers]
 

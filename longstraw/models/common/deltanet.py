@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.gated_delta import gated_delta_rule
 from ...state import RecurrentState, Segment
 from .mixer import TokenMixer
 from .norm import GatedRMSNorm
@@ -47,13 +46,10 @@ class GatedDeltaNet(TokenMixer):
             torch.zeros(self.v_heads, self.k_dim, self.v_dim, dtype=acc, device=device),
         )
 
-    def _recurrence(self, x: torch.Tensor, init: RecurrentState | None):
+    def _recurrence(self, x: torch.Tensor, seg: Segment):
         b, t, _ = x.shape
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, T]
-        if init is None:
-            tail = mixed.new_zeros(b, self.conv_dim, self.kernel - 1)
-        else:
-            tail = init.conv.to(mixed.dtype).expand(b, -1, -1)
+        tail, final_tail = seg.conv_tail(self.layer_idx, mixed, self.kernel - 1)
         padded = torch.cat([tail, mixed], dim=-1)
         conv = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
         kd = self.k_heads * self.k_dim
@@ -64,16 +60,15 @@ class GatedDeltaNet(TokenMixer):
         beta = torch.sigmoid(self.in_proj_b(x))
         acc = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(acc).exp() * F.softplus(self.in_proj_a(x).to(acc) + self.dt_bias)
-        ssm0 = None if init is None else init.ssm.expand(b, -1, -1, -1)
-        o, ssm = gated_delta_rule(q, k, v, g, beta, ssm0)
-        return o, RecurrentState(padded[..., -(self.kernel - 1) :], ssm)
+        o, ssm = seg.delta_rule(self.layer_idx, q, k, v, g, beta)
+        return o, RecurrentState(final_tail, ssm)
 
     def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> None:
-        seg.emit(self.layer_idx, self._recurrence(x, seg.initial_state(self.layer_idx))[1])
+        seg.emit(self.layer_idx, self._recurrence(x, seg)[1])
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
         b, t, _ = x.shape
-        o, final = self._recurrence(x, seg.initial_state(self.layer_idx))
+        o, final = self._recurrence(x, seg)
         seg.emit(self.layer_idx, final)
         z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(o, z).reshape(b, t, -1))

@@ -14,6 +14,10 @@ class TokenMixer(nn.Module, ABC):
     """Mixes tokens over the prefix state and the segment. `layer_idx` keys its entry in a `Segment`."""
 
     layer_idx: int
+    # whether the ranks of a group can each run only their block of a prompt chunk through it (the split schedule,
+    # parallel/sequence.py): it reaches other tokens only through its segment's `attend`, `conv_tail` and
+    # `delta_rule`
+    splits_tokens: bool = True
 
     @abstractmethod
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:

@@ -74,6 +74,8 @@ class Indexer(nn.Module):
 
 
 class MLAttention(TokenMixer):
+    splits_tokens = False  # its DSA top-k and sparse attention read the whole chunk on every rank (for now)
+
     def __init__(self, layer_idx: int, cfg, has_indexer: bool) -> None:
         super().__init__()
         self.layer_idx, self.heads = layer_idx, cfg.num_attention_heads

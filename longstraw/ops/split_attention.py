@@ -1,0 +1,140 @@
+"""Causal attention of one rank's block of a prompt chunk that the ranks of a group compute together (the split
+schedule, parallel/sequence.py): each rank holds the queries and K/V of its own block only.
+
+Three parts, merged by log-sum-exp into one output:
+- own: the block's causal attention over itself;
+- earlier blocks: the blocks of this chunk at lower positions, whose K/V come by all-gather (unmasked);
+- prefix: the rows of earlier chunks, sharded over the ranks. They stay where they live: every rank's queries
+  are all-gathered, each rank attends all of them over its own rows, and the partial results go back to the
+  queries' owners (all-to-all) to be merged.
+
+The backward uses the merged output and log-sum-exp for every part (the identity of ring attention), so each
+part's gradient comes from its own kernel: dK/dV of the earlier blocks go back to their owners, the prefix rows'
+gradient stays with them (added into the dState sink in exact mode), and each rank's share of the other ranks'
+dq goes back to them. Every rank makes the same collectives in the same order, forward and backward.
+
+Shapes: q [1, H, t, d]; k, v [1, Hkv, t, d]; prefix k, v [Hkv, N, d] (this rank's rows; N may be 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.sequence import SequenceGroup
+from .attention import _acc, _fold, _forward, _unfold, merge_parts, part_backward
+
+Tensor = torch.Tensor
+
+
+def _pad(t: Tensor, length: int, dim: int = 2) -> Tensor:
+    pad = length - t.shape[dim]
+    if not pad:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _gather_padded(group: SequenceGroup, t: Tensor, length: int) -> Tensor:
+    """Every rank's `t` (tokens on dim 2, padded to `length`), stacked on dim 0 in rank order: [C, ...]."""
+    return torch.cat(group.gather(_pad(t, length)), dim=0)
+
+
+def _merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Partial results of the ranks (over disjoint key sets) merged; -inf where no rank saw a key."""
+    total = torch.logsumexp(torch.stack(lse), dim=0)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    acc = _acc(o[0])
+    out = sum(oi.to(acc) * torch.exp(li - safe)[..., None] for oi, li in zip(o, lse))
+    return out.to(o[0].dtype), total
+
+
+class _SplitChunkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel):
+        c, longest, t = len(sizes), max(sizes), q.shape[2]
+        hkv = k.shape[1]
+        shared = k is v  # absorbed MLA: one latent tensor is both keys and values
+        ks = group.gather_blocks(k, sizes, dim=2)
+        vs = ks if shared else group.gather_blocks(v, sizes, dim=2)
+        o, lse, aux_own = _forward(q, k, v, True, scale, kernel)
+        ke = ve = aux_early = None
+        if earlier:
+            ke = torch.cat([ks[r] for r in earlier], dim=2)
+            ve = ke if shared else torch.cat([vs[r] for r in earlier], dim=2)
+            o_e, l_e, aux_early = _forward(q, ke, ve, False, scale, kernel)
+            o, lse = merge_parts(o_e, l_e, o, lse)
+        # the prefix rows of earlier chunks: every block's queries over this rank's rows, results to their owners
+        q_all = _gather_padded(group, q, longest)
+        aux_pre = None
+        if prefix_k.shape[1]:
+            o_p, l_p, aux_pre = _forward(_fold(q_all, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
+            o_p, l_p = _unfold(o_p, c, q.shape[1]), _unfold(l_p, c, q.shape[1])
+        else:
+            o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
+            l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        o_r = group.exchange(list(o_p.unbind(0)))
+        l_r = group.exchange(list(l_p.unbind(0)))
+        o_p, l_p = _merge_ranks(o_r, l_r)
+        o, lse = merge_parts(o_p[None, :, :t], l_p[None, :, :t], o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, q_all)
+        ctx.early = (ke, ve)  # gathered here, not inputs: kept as attributes
+        ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
+        ctx.aux = (aux_own, aux_early, aux_pre)
+        ctx.scale, ctx.sizes, ctx.earlier, ctx.group, ctx.kernel, ctx.shared = (scale, sizes, earlier, group,
+                                                                                 kernel, shared)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, q_all = ctx.saved_tensors
+        (ke, ve), (pk, pv), (gk, gv) = ctx.early, ctx.prefix, ctx.grads
+        aux_own, aux_early, aux_pre = ctx.aux
+        group, sizes, scale, kernel = ctx.group, ctx.sizes, ctx.scale, ctx.kernel
+        c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]
+        do = do.contiguous()
+        dq, dk, dv = part_backward(do, q, k, v, o, lse, True, scale, kernel, aux_own)
+        # earlier blocks: their dK/dV go back to their owners (zeros to everyone else, to keep shapes equal)
+        zeros = k.new_zeros(1, hkv, longest, k.shape[-1] + (0 if ctx.shared else v.shape[-1]))
+        back = [zeros] * c
+        if ctx.earlier:
+            dq_e, dke, dve = part_backward(do, q, ke, ve, o, lse, False, scale, kernel, aux_early)
+            dq = dq + dq_e
+            d_early = dke + dve if ctx.shared else torch.cat([dke, dve], dim=-1)
+            for r, part in zip(ctx.earlier, d_early.split([sizes[r] for r in ctx.earlier], dim=2)):
+                back[r] = _pad(part, longest)
+        mine = sum(group.exchange(back)).narrow(2, 0, t)
+        if ctx.shared:
+            dk = dk + dv + mine
+            dv = torch.zeros_like(dk)  # k is v: autograd adds the two; the sum is in dk
+        else:
+            dk, dv = dk + mine[..., : k.shape[-1]], dv + mine[..., k.shape[-1] :]
+        # prefix rows: every block's (do, o, lse) meets this rank's rows; dq shares go back to the blocks' owners
+        do_all = _gather_padded(group, do, longest)
+        o_all = _gather_padded(group, o, longest)
+        lse_all = torch.cat(group.gather(_pad(lse, longest)), dim=0)
+        if pk.shape[1]:
+            f = lambda x: _fold(x, hkv)  # noqa: E731
+            dq_p, dpk, dpv = part_backward(f(do_all), f(q_all), pk[None], pv[None], f(o_all), f(lse_all), False,
+                                           scale, kernel, aux_pre)
+            if gk is not None:  # shared keys and values have one sink: both add into it
+                gk.add_(dpk[0])
+                gv.add_(dpv[0])
+            dq_p = _unfold(dq_p, c, h)
+        else:
+            dq_p = torch.zeros_like(q_all)
+        dq = dq + sum(group.exchange(list(dq_p.unbind(0)))).narrow(1, 0, t)[None]
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: tuple[Tensor, Tensor],
+                          prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int],
+                          group: SequenceGroup, kernel: str = "auto") -> Tensor:
+    """Attention of this rank's block (q, k, v, batch 1) of a chunk split over `group`: `sizes` are the blocks'
+    token counts by rank, `earlier` the ranks whose blocks precede this one in the chunk (in position order),
+    `prefix` this rank's rows of the earlier chunks; with `prefix_grad` (exact mode) the backward adds their
+    gradient into it. Shared keys and values (absorbed MLA) are passed as the same tensor for k and v."""
+    if q.shape[0] != 1:
+        raise ValueError("split_chunk_attention runs one prompt chunk (batch 1)")
+    gk, gv = prefix_grad if prefix_grad is not None else (None, None)
+    return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel)
