@@ -9,8 +9,8 @@ stays in memory:
 - gradients accumulate in `param.grad` (FSDP: the rank's shard) over every replay and prompt op of an update;
   dLoss/dState of a group accumulates over its replay ops in `self._dstate` and is consumed by its prompt op;
 - the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing;
-- so do the last rollout's answers and sampling log-probs (`self._rollout`), so reference and replay read them
-  from the store only after a resume.
+- so do the last rollout's answers and sampling log-probs (`self._rollout`) and the KL reference's log-probs
+  (`self._reference_logps`): reference and replay read them from the store only after a resume.
 
 What resume needs is stored, and nothing model-sized per op: prefix-state shards (each written by the rank that
 owns its tokens; sharded_state.py), rollouts, references, and checkpoints every `pipeline.checkpoint_every`
@@ -83,6 +83,8 @@ class Worker:
         self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
         # the last rollout sampled or read: (its artefact, responses, sampling log-probs), rank 0's on every rank
         self._rollout: tuple[Artefact, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # the last KL reference log-probs computed or read: (their artefact, one tensor per answer), rank 0's
+        self._reference_logps: tuple[Artefact, list[torch.Tensor]] | None = None
         self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -178,7 +180,7 @@ class Worker:
                                                            device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
-        self._state, self._dstate, self._rollout = None, {}, None
+        self._state, self._dstate, self._rollout, self._reference_logps = None, {}, None, None
         ref = None
         if cfg.grpo.kl_coef > 0:  # the KL reference: update 0's weights
             ref = meta if self.update == 0 else read_trainer(paths.checkpoint(0))
@@ -246,18 +248,23 @@ class Worker:
         return out
 
     def _keep_rollout(self, stored: Artefact | None, samples: list[Sample]) -> None:
-        """Keep the answers resident for the group's reference and replay ops, as rank 0 stored them (`stored`:
-        its artefact, on rank 0): the dtypes the store keeps, and rank 0's values on every rank, as a read of the
-        store would give them (a GPU's sampling log-probs may differ by rank in the last bit)."""
+        """Keep the answers resident for the group's reference and replay ops, as the store keeps them."""
         tokens = [s.tokens.to(torch.int64).cpu() for s in samples]
         logps = [s.logprobs.float().cpu() for s in samples]
-        if self.ranks.distributed:  # JSON: fp32 log-probs round-trip exactly
-            got = self.ranks.broadcast({"artefact": stored.to_json(), "tokens": [t.tolist() for t in tokens],
-                                        "logprobs": [lp.tolist() for lp in logps]} if self._leader else None)
-            stored = Artefact.from_json(got["artefact"])
-            tokens = [torch.tensor(t, dtype=torch.int64) for t in got["tokens"]]
-            logps = [torch.tensor(lp, dtype=torch.float32) for lp in got["logprobs"]]
+        stored, (tokens, logps) = self._as_rank0_stored(stored, [tokens, logps])
         self._rollout = (stored, tokens, logps)
+
+    def _as_rank0_stored(self, stored: Artefact | None, lists: list[list[torch.Tensor]]
+                         ) -> tuple[Artefact, list[list[torch.Tensor]]]:
+        """Rank 0's artefact (`stored`, None on the others) and rank 0's values of the CPU tensors it stored, on
+        every rank: what a read of the store would give each of them (a GPU's kernels may differ by rank in the
+        last bit). JSON round-trips every float dtype exactly."""
+        if not self.ranks.distributed:
+            return stored, lists
+        got = self.ranks.broadcast({"artefact": stored.to_json(), "lists": [[t.tolist() for t in ts] for ts in lists]}
+                                   if self._leader else None)
+        return Artefact.from_json(got["artefact"]), [[torch.tensor(v, dtype=t.dtype) for v, t in zip(vs, ts)]
+                                                     for vs, ts in zip(got["lists"], lists)]
 
     def _responses(self, rollout: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(responses, sampling log-probs) of `rollout` (an `Artefact`'s JSON): resident if it was the last one
@@ -287,11 +294,25 @@ class Worker:
             ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
             logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
         out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
+        logps = [lp.detach().cpu() for lp in logps]
+        stored = None
         if self._leader:
             path = str(cfg.paths().step(step) / f"reference-g{group:03d}.safetensors")
-            sha = save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)})
-            out |= Artefact(path, sha).to_json()
+            stored = Artefact(path, save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)}))
+            out |= stored.to_json()
+        # resident for the group's replays, as for the rollout; the store is there for a resume
+        stored, (logps,) = self._as_rank0_stored(stored, [logps])
+        self._reference_logps = (stored, logps)
         return out
+
+    def _reference_logprobs(self, reference: dict, n: int) -> list[torch.Tensor]:
+        """The KL reference's log-probs of the `n` answers (`reference`: an `Artefact`'s JSON): resident if they
+        were the last computed or read, else read from the store (after a resume), verified."""
+        artefact = Artefact.from_json(reference)
+        if self._reference_logps is None or self._reference_logps[0] != artefact:
+            tensors = self._agree(lambda: load_tensors(artefact.path, artefact.sha256))
+            self._reference_logps = (artefact, [tensors[f"logprobs.{i}"] for i in range(n)])
+        return self._reference_logps[1]
 
     def replay(self, weights_version: str, state: dict, rollout: dict, rewards: dict, reference: dict | None,
                step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
@@ -303,22 +324,15 @@ class Worker:
         if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
-        def inputs():
-            record_file = Artefact.from_json(rewards)
-            record = load_json(record_file.path, record_file.sha256)
-            ref = None
-            if reference is not None:
-                ref_file = Artefact.from_json(reference)
-                ref = load_tensors(ref_file.path, ref_file.sha256)
-            return record, ref
-
         responses, sample_logps = self._responses(rollout)
-        record, ref_t = self._agree(inputs)
+        ref_logps = None if reference is None else self._reference_logprobs(reference, len(responses))
+        record_file = Artefact.from_json(rewards)
+        record = self._agree(lambda: load_json(record_file.path, record_file.sha256))
         prefix = self._load(state)  # naive mode too: its prompt is the stored one
         group_branches = Branches.group(
             responses, record["advantages"], cfg.grpo, vocab_size=self.model.config.vocab_size,
             old_logprobs=sample_logps if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
-            ref_logprobs=None if ref_t is None else [ref_t[f"logprobs.{i}"] for i in range(len(responses))])
+            ref_logprobs=ref_logps)
         mine = group_branches.select(branches[self.parallel.dp_rank])
         with self._meter() as m:
             if cfg.mode == "naive":

@@ -245,3 +245,22 @@ def test_ops_are_run_from_the_table_by_name(tmp_path):
     w.OPS = table  # this worker's table only
     assert driver.call("capture", weights_version=w.weights_version, step=0, group=0, epoch=0)["seen"]
     assert ran == [{"weights_version": w.weights_version, "step": 0, "group": 0, "epoch": 0}]
+
+
+def test_resident_rollout_and_reference_equal_the_stored_ones(tmp_path):
+    """The sampling worker replays from the answers, sampling log-probs (two epochs: they enter the ratio) and KL
+    reference log-probs it keeps in memory; a fresh worker (a resumed job) reads them from the store. The same
+    gradient, bitwise: what stays in memory is what the store holds."""
+    cfg = make_cfg(tmp_path, epochs=2, grpo={"kl_coef": 0.1})
+    w, init, state, roll, rew = step_group(cfg)
+    out = w.reference(init["reference_version"], state, roll, 0, 0)
+    ref = {"path": out["path"], "sha256": out["sha256"]}
+    for worker in (w, fresh := Worker(cfg)):
+        if worker is fresh:
+            fresh.start()
+            assert fresh._rollout is None and fresh._reference_logps is None  # nothing resident: it reads them
+        worker.replay(worker.weights_version, state, roll, rew, ref, 0, 0, 0, [[0, 1, 2, 3]])
+        worker.prompt(worker.weights_version, state, 0, 0, 0)
+    assert fresh._reference is None  # the reference model was never needed to replay
+    assert flat_grad(w.model).norm() > 0
+    assert torch.equal(flat_grad(fresh.model), flat_grad(w.model))
