@@ -26,8 +26,8 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.tasks import exponential_backoff
 
-import longstraw.train.inputs as lib
 from longstraw.memory import measured
+from longstraw.train import inputs
 from longstraw.train.config import TrainConfig
 from longstraw.train.spmd import Driver
 from longstraw.train.worker import Worker
@@ -54,8 +54,8 @@ def _driver() -> Driver:
 
 def _cache_key(name: str):
     def key(_ctx, params: dict) -> str:
-        inputs = {k: v for k, v in params.items() if k != "parent_run_id"}  # the tracking run is not an input
-        blob = json.dumps(inputs, sort_keys=True, default=str)
+        given = {k: v for k, v in params.items() if k != "parent_run_id"}  # the tracking run is not an input
+        blob = json.dumps(given, sort_keys=True, default=str)
         return hashlib.sha256(f"{name}\n{code_digest()}\n{blob}".encode()).hexdigest()
 
     return key
@@ -123,8 +123,8 @@ capture = _op("capture", cached=True)
 rollout = _op("rollout", cached=True)
 reference = _op("reference", cached=True)
 # rank 0 alone; the module's function read at call time, so that a test may wrap it
-reward = _stage("reward", lib.reward_stage, cached=True, on_ranks=False,
-                execute=lambda cfg, params: measured(lib.reward_stage, cfg, **params))
+reward = _stage("reward", inputs.reward_stage, cached=True, on_ranks=False,
+                execute=lambda cfg, params: measured(inputs.reward_stage, cfg, **params))
 replay = _op("replay", cached=False)
 prompt = _op("prompt", cached=False)
 optimizer = _op("optimizer", cached=False)

@@ -116,9 +116,6 @@ class Worker:
     def _agree(self, fn):
         return agree(self.ranks, fn)
 
-    def _barrier_gather(self, value) -> list:
-        return self.ranks.gather(value)
-
     def _resident(self, read: Callable[[], nn.Module], weights_dir: Path | None, lora: dict | None,
                   stage: int | None = None) -> nn.Module:
         """The model to keep resident, from `read()` (the whole model) and `weights_dir` (the directory holding its
@@ -202,7 +199,7 @@ class Worker:
             mine = (save_state_shard(state, url, rank, weights_version=weights_version,
                                      shard_tokens=cfg.store.shard_tokens, storage_options=cfg.store.storage_options)
                     if self._writes_shards else None)
-        shards = [s for s in self._barrier_gather(mine) if s is not None]  # every owner has committed its shard
+        shards = [s for s in self.ranks.gather(mine) if s is not None]  # every owner has committed its shard
         digest = None
         if self._leader:
             manifest = commit_sharded_state(url, shards, state=state, weights_version=weights_version,

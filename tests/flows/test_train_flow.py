@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import longstraw.train.inputs as lib
 import longstraw.train.worker as worker_module
 from flows.cli import main
 from flows.train import grpo_train
+from longstraw.train import inputs
 from longstraw.train.config import TrainConfig
 from longstraw.train.worker import Worker
 from tests.conftest import tiny_config
@@ -46,13 +46,13 @@ def counted(monkeypatch):
             return _fn(self, *a, **kw)
 
         monkeypatch.setitem(Worker.OPS, name, wrapped)
-    reward = lib.reward_stage
+    reward = inputs.reward_stage
 
     def counted_reward(cfg, *a, **kw):
         calls[("reward", kw.get("step"))] += 1
         return reward(cfg, *a, **kw)
 
-    monkeypatch.setattr(lib, "reward_stage", counted_reward)
+    monkeypatch.setattr(inputs, "reward_stage", counted_reward)
     for name in ("load_model", "build_model"):  # what Worker.start calls to get its model
         fn = getattr(worker_module, name)
 
