@@ -121,7 +121,7 @@ def rollout(
     parallel.check_agree("rollout settings", {
         "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "stop_ids": sorted(set(stop_ids)), "stop_check_every": stop_check_every, "static_shapes": static_shapes,
-        "compile": compile, "first_branch": first_branch, "dtype": str(state.layers[0].tensors()[0].dtype)})
+        "compile": compile, "dtype": str(state.layers[0].tensors()[0].dtype)})
     p = next(model.parameters())
     forward = compiled_decoder(model, "inductor" if compile is True else compile, static_shapes) if compile else model
     device = state.prompt_ids.device

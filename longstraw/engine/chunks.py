@@ -11,10 +11,13 @@ whole chunk and keeps its block's rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup
+from ..parallel import ONE_RANK, SequenceGroup, gradient_replicas, is_sharded
 from ..state import LayerState, PrefixState, PrefixView, RowMap, Segment
 from ..state.segment import ChunkSplit
 from .checks import as_ids
@@ -47,6 +50,29 @@ def held_rows(chunks: list[tuple[int, int]], parallel: SequenceGroup = ONE_RANK)
 def splits(model: PrefixLM, parallel: SequenceGroup) -> bool:
     """Whether the ranks run only their blocks of each chunk (else every rank runs whole chunks)."""
     return parallel.size > 1 and model.splits_tokens
+
+
+@contextmanager
+def gradients_summed_over_group(model: PrefixLM, parallel: SequenceGroup, split: bool) -> Iterator[None]:
+    """Within, under the split schedule (`split`), each rank's parameter gradients are its own share of the work:
+    on leaving they are summed over the group, so that every rank holds the whole (as after a replicated
+    backward). What `param.grad` held before (the same on every rank) is divided by C first, so the sum counts
+    it once; FSDP sums over all ranks itself and is told these gradients are not replicated."""
+    if not split:
+        yield
+        return
+    if is_sharded(model):
+        with gradient_replicas(model, 1, then=parallel.size):
+            yield
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(parallel.size)
+    yield
+    for p in params:
+        if p.grad is not None:
+            parallel.sum_(p.grad)
 
 
 def run_chunk(

@@ -16,16 +16,14 @@ from their blocks. On one rank the same code runs with collectives that do nothi
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from tqdm.auto import tqdm
 
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup, gradient_replicas, is_sharded
+from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
 from .checks import check_state
-from .chunks import block_rows, chunk_with_graph, run_chunk, splits
+from .chunks import block_rows, chunk_with_graph, gradients_summed_over_group, run_chunk, splits
 
 Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size states at its start, by layer
 
@@ -56,7 +54,7 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     split = splits(model, parallel)
     stored: Boundaries = dict(state.boundaries)  # consumed here; the state keeps its own
     shared: Boundaries = {}  # the boundaries every rank holds: regenerated, or handed on by their owner
-    with _partial_gradients(model, parallel, split):
+    with gradients_summed_over_group(model, parallel, split):
         for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk",
                       disable=not progress, leave=False):
             if i in kept:
@@ -100,28 +98,6 @@ def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: Sequen
         parts = parallel.gather_blocks(t, sizes, dim=-2)
         out.append(torch.cat([parts[r] for r in order], dim=-2))
     return out
-
-
-@contextmanager
-def _partial_gradients(model: PrefixLM, parallel: SequenceGroup, split: bool):
-    """Under the split schedule each rank's parameter gradient is its blocks' share: sum it over the group. What
-    `param.grad` held before (the replays', the same on every rank) is divided by C first, so the sum counts it
-    once; FSDP sums over all ranks itself and is told these gradients are not replicated."""
-    if not split:
-        yield
-        return
-    if is_sharded(model):
-        with gradient_replicas(model, 1, then=parallel.size):
-            yield
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is not None:
-            p.grad.div_(parallel.size)
-    yield
-    for p in params:
-        if p.grad is not None:
-            parallel.sum_(p.grad)
 
 
 def _boundary(model: PrefixLM, state: PrefixState, i: int, stored: Boundaries, shared: Boundaries,

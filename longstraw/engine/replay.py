@@ -17,6 +17,7 @@ from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, PrefixView, Segment
 from .branches import Branches
 from .checks import as_responses, check_positions, check_state
+from .chunks import gradients_summed_over_group, splits
 from .config import EngineConfig
 
 LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum")
@@ -35,14 +36,16 @@ def replay_logprobs(
     grad: dict[int, LayerState] | None = None,
     prefix: list[LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
+    spread: int | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
     The state is read, never written; with `grad` (dState sinks), backward adds dLoss/dPrefix of the per-token
     layers into it. `prefix` overrides the layers' states (exact mode passes `leaf()`s, views of the state).
+    `spread`: the ranks of `parallel` replay different responses, all padded to `spread` tokens (see `Segment`).
     """
     device = state.prompt_ids.device
-    longest = max(r.numel() for r in responses)
+    longest = spread or max(r.numel() for r in responses)
     inputs = torch.zeros(len(responses), longest, dtype=torch.long, device=device)
     targets = torch.zeros_like(inputs)
     for i, r in enumerate(responses):
@@ -51,7 +54,7 @@ def replay_logprobs(
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
     view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
-    seg = Segment(start=state.length, prefix=view)
+    seg = Segment(start=state.length, prefix=view, spread=spread is not None)
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
     return [logp[i, : r.numel()] for i, r in enumerate(responses)]
@@ -108,17 +111,30 @@ def replay(
     check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
     parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
                                              "branches": len(branches)})
+    # under the split schedule the ranks of the group replay their own share of the branches (their queries visit
+    # every rank's rows), when the branches split evenly; else every rank replays all of them
+    spread = splits(model, parallel) and len(branches) % parallel.size == 0
+    if spread:
+        per = len(branches) // parallel.size
+        pad = max(r.numel() for r in branches.tokens)  # one length on every rank: their queries are gathered
+        branches = branches.select(range(parallel.rank * per, (parallel.rank + 1) * per))
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
     totals = dict.fromkeys(LOSS_TOTALS, 0.0)
     mode = "detached" if dstate is None else "exact"
-    with tqdm(total=len(branches), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as bar:
+    with (tqdm(total=len(branches), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as bar,
+          gradients_summed_over_group(model, parallel, spread)):
         for b in range(0, len(branches), engine.branch_batch):
             batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
-            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel)
+            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel, pad if spread else None)
             loss_backward(batch, logps, loss, totals)
             bar.update(len(batch))
     for i, leaf in enumerate(leaves or []):
         if (g := leaf.leaf_grad()) is not None:
+            if spread:  # each rank's branches' share of the fixed-size states' gradient
+                for t in g.tensors():
+                    parallel.sum_(t)
             dstate[i].add_(g)
     summed = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64, device=parallel.device))
+    if spread:
+        summed = parallel.sum_(summed)
     return dict(zip(totals, summed.tolist()))

@@ -49,16 +49,22 @@ def _merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
     return out.to(o[0].dtype), total
 
 
+def _per_rank(x: Tensor, c: int) -> list[Tensor]:
+    """[C * B, ...] -> C parts of [B, ...], one per rank."""
+    return list(x.unflatten(0, (c, -1)).unbind(0))
+
+
 class _SplitChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel):
         c, longest, t = len(sizes), max(sizes), q.shape[2]
         hkv = k.shape[1]
         shared = k is v  # absorbed MLA: one latent tensor is both keys and values
-        ks = group.gather_blocks(k, sizes, dim=2)
-        vs = ks if shared else group.gather_blocks(v, sizes, dim=2)
         o, lse, aux_own = _forward(q, k, v, True, scale, kernel)
         ke = ve = aux_early = None
+        if earlier is not None:  # blocks of one chunk: every rank gathers the chunk's K/V
+            ks = group.gather_blocks(k, sizes, dim=2)
+            vs = ks if shared else group.gather_blocks(v, sizes, dim=2)
         if earlier:
             ke = torch.cat([ks[r] for r in earlier], dim=2)
             ve = ke if shared else torch.cat([vs[r] for r in earlier], dim=2)
@@ -69,14 +75,12 @@ class _SplitChunkAttention(torch.autograd.Function):
         aux_pre = None
         if prefix_k.shape[1]:
             o_p, l_p, aux_pre = _forward(_fold(q_all, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
-            o_p, l_p = _unfold(o_p, c, q.shape[1]), _unfold(l_p, c, q.shape[1])
+            o_p, l_p = _unfold(o_p, q_all.shape[0], q.shape[1]), _unfold(l_p, q_all.shape[0], q.shape[1])
         else:
             o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-        o_r = group.exchange(list(o_p.unbind(0)))
-        l_r = group.exchange(list(l_p.unbind(0)))
-        o_p, l_p = _merge_ranks(o_r, l_r)
-        o, lse = merge_parts(o_p[None, :, :t], l_p[None, :, :t], o, lse)
+        o_p, l_p = _merge_ranks(group.exchange(_per_rank(o_p, c)), group.exchange(_per_rank(l_p, c)))
+        o, lse = merge_parts(o_p[:, :, :t], l_p[:, :, :t], o, lse)
         ctx.save_for_backward(q, k, v, o, lse, q_all)
         ctx.early = (ke, ve)  # gathered here, not inputs: kept as attributes
         ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
@@ -94,21 +98,22 @@ class _SplitChunkAttention(torch.autograd.Function):
         c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]
         do = do.contiguous()
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, scale, kernel, aux_own)
-        # earlier blocks: their dK/dV go back to their owners (zeros to everyone else, to keep shapes equal)
-        zeros = k.new_zeros(1, hkv, longest, k.shape[-1] + (0 if ctx.shared else v.shape[-1]))
-        back = [zeros] * c
-        if ctx.earlier:
-            dq_e, dke, dve = part_backward(do, q, ke, ve, o, lse, False, scale, kernel, aux_early)
-            dq = dq + dq_e
-            d_early = dke + dve if ctx.shared else torch.cat([dke, dve], dim=-1)
-            for r, part in zip(ctx.earlier, d_early.split([sizes[r] for r in ctx.earlier], dim=2)):
-                back[r] = _pad(part, longest)
-        mine = sum(group.exchange(back)).narrow(2, 0, t)
-        if ctx.shared:
-            dk = dk + dv + mine
-            dv = torch.zeros_like(dk)  # k is v: autograd adds the two; the sum is in dk
-        else:
-            dk, dv = dk + mine[..., : k.shape[-1]], dv + mine[..., k.shape[-1] :]
+        if ctx.earlier is not None:
+            # earlier blocks: their dK/dV go back to their owners (zeros to everyone else, to keep shapes equal)
+            zeros = k.new_zeros(1, hkv, longest, k.shape[-1] + (0 if ctx.shared else v.shape[-1]))
+            back = [zeros] * c
+            if ctx.earlier:
+                dq_e, dke, dve = part_backward(do, q, ke, ve, o, lse, False, scale, kernel, aux_early)
+                dq = dq + dq_e
+                d_early = dke + dve if ctx.shared else torch.cat([dke, dve], dim=-1)
+                for r, part in zip(ctx.earlier, d_early.split([sizes[r] for r in ctx.earlier], dim=2)):
+                    back[r] = _pad(part, longest)
+            mine = sum(group.exchange(back)).narrow(2, 0, t)
+            if ctx.shared:
+                dk = dk + dv + mine
+                dv = torch.zeros_like(dk)  # k is v: autograd adds the two; the sum is in dk
+            else:
+                dk, dv = dk + mine[..., : k.shape[-1]], dv + mine[..., k.shape[-1] :]
         # prefix rows: every block's (do, o, lse) meets this rank's rows; dq shares go back to the blocks' owners
         do_all = _gather_padded(group, do, longest)
         o_all = _gather_padded(group, o, longest)
@@ -120,21 +125,25 @@ class _SplitChunkAttention(torch.autograd.Function):
             if gk is not None:  # shared keys and values have one sink: both add into it
                 gk.add_(dpk[0])
                 gv.add_(dpv[0])
-            dq_p = _unfold(dq_p, c, h)
+            dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)
-        dq = dq + sum(group.exchange(list(dq_p.unbind(0)))).narrow(1, 0, t)[None]
+        dq = dq + sum(group.exchange(_per_rank(dq_p, c))).narrow(2, 0, t)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: tuple[Tensor, Tensor],
-                          prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int],
+                          prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int] | None,
                           group: SequenceGroup, kernel: str = "auto") -> Tensor:
-    """Attention of this rank's block (q, k, v, batch 1) of a chunk split over `group`: `sizes` are the blocks'
-    token counts by rank, `earlier` the ranks whose blocks precede this one in the chunk (in position order),
-    `prefix` this rank's rows of the earlier chunks; with `prefix_grad` (exact mode) the backward adds their
-    gradient into it. Shared keys and values (absorbed MLA) are passed as the same tensor for k and v."""
-    if q.shape[0] != 1:
-        raise ValueError("split_chunk_attention runs one prompt chunk (batch 1)")
+    """Attention of this rank's queries over the sharded prefix and their own keys, every rank's queries visiting
+    every rank's rows: `sizes` are the ranks' query counts, `prefix` this rank's rows; with `prefix_grad` (exact
+    mode) the backward adds their gradient into it. Shared keys and values (absorbed MLA) are passed as the same
+    tensor for k and v.
+
+    `earlier`: for the blocks of one prompt chunk (batch 1), the ranks whose blocks precede this one (in position
+    order), whose keys the queries see too; None for independent sequences, such as the branches each rank
+    replays (any batch, the same on every rank)."""
+    if earlier is not None and q.shape[0] != 1:
+        raise ValueError("the blocks of a prompt chunk run with batch 1")
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
     return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel)

@@ -120,8 +120,11 @@ class Segment:
     and reassembles the containers), which would leave each layer writing into a copy."""
 
     def __init__(self, start: int = 0, prefix: PrefixView | None = None, cache: DecodeCache | None = None,
-                 collect: bool = False, split: ChunkSplit | None = None) -> None:
+                 collect: bool = False, split: ChunkSplit | None = None, spread: bool = False) -> None:
         self.start, self.prefix, self.cache, self.collect, self.split = start, prefix, cache, collect, split
+        # spread: the ranks of the prefix's group hold different sequences (each its share of the branches, of
+        # one length), whose queries all visit every rank's rows
+        self.spread = spread
         self.emitted: dict[int, LayerState] = {}
         # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers
         self.dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -177,11 +180,12 @@ class Segment:
         `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
         for `own` (k and v may be one tensor: absorbed MLA's shared latent head)."""
         k, v = heads(own)
-        if self.split is not None:
+        if self.split is not None or self.spread:
+            group = self.parallel
             sink = self.prefix_grad(layer)
+            sizes, earlier = (self.split.sizes, self.split.earlier) if self.split else ([q.shape[2]] * group.size, None)
             return split_chunk_attention(q, k, v, scale, heads(self._visible(self.prefix.layers[layer])),
-                                         None if sink is None else heads(sink), self.split.sizes,
-                                         self.split.earlier, self.split.group)
+                                         None if sink is None else heads(sink), sizes, earlier, group)
         rows = self.prefix_rows(layer)
         prefix = None if rows is None else heads(rows)
         if self.cache is not None:
