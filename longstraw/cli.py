@@ -60,6 +60,7 @@ def _state_size(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .models import read_config
     from .tools.plan import format_plan, measured_activation_bytes, plan, smallest_fit
+    from .tools.work import format_work, step_time, step_work
 
     cfg = read_config(args.config)
     lora = None if args.lora is None else {"r": args.lora, "target_modules": args.lora_targets}
@@ -68,8 +69,11 @@ def _plan(args: argparse.Namespace) -> int:
               activation_bytes=act, lora=lora)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
+    work = step_work(cfg, args.tokens, r["sp"], args.chunk, args.responses, args.response_tokens, dp=r["dp"])
+    time = step_time(work, args.tflops, args.link_gbps)
     print(format_plan(r, *fits))
-    _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1]})
+    print(format_work(work, time, args.tflops, args.link_gbps))
+    _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1], "work": work, "time": time})
     return 0
 
 
@@ -134,6 +138,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R instead of full fine-tuning")
     p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"],
                    help="the modules the adapters go on (default q_proj k_proj v_proj o_proj)")
+    p.add_argument("--tflops", type=float, default=400, help="sustained TFLOP/s per GPU for the time estimate")
+    p.add_argument("--link-gbps", type=float, default=100, help="GB/s a GPU sends, for the time estimate")
     p.add_argument("--json", help="also write the plan to this JSON file")
     p.set_defaults(func=_plan)
     p = sub.add_parser("export", help="a training checkpoint's weights as an HF checkpoint (--merge: LoRA merged in)")

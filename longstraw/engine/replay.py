@@ -36,16 +36,17 @@ def replay_logprobs(
     grad: dict[int, LayerState] | None = None,
     prefix: list[LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
-    spread: int | None = None,
+    spread_to: int | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
     The state is read, never written; with `grad` (dState sinks), backward adds dLoss/dPrefix of the per-token
     layers into it. `prefix` overrides the layers' states (exact mode passes `leaf()`s, views of the state).
-    `spread`: the ranks of `parallel` replay different responses, all padded to `spread` tokens (see `Segment`).
+    `spread_to`: the ranks of `parallel` replay different responses, all padded to that many tokens (`Segment`'s
+    spread).
     """
     device = state.prompt_ids.device
-    longest = spread or max(r.numel() for r in responses)
+    longest = spread_to or max(r.numel() for r in responses)
     inputs = torch.zeros(len(responses), longest, dtype=torch.long, device=device)
     targets = torch.zeros_like(inputs)
     for i, r in enumerate(responses):
@@ -54,7 +55,7 @@ def replay_logprobs(
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
     view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
-    seg = Segment(start=state.length, prefix=view, spread=spread is not None)
+    seg = Segment(start=state.length, prefix=view, spread=spread_to is not None)
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
     return [logp[i, : r.numel()] for i, r in enumerate(responses)]

@@ -1,0 +1,137 @@
+"""Work of one exact GRPO step per rank, counted from config.json: FLOPs under the split and the replicated
+schedules (parallel/sequence.py), bytes each rank sends, and a time estimate for a GPU FLOP rate and link speed.
+
+A model of the engine, not a measurement (bench/work_per_rank.py counts the real thing on tiny models):
+- token-local work: 2 FLOPs per active parameter per token (MoE: the routed experts' share), no LM head on the
+  prompt; the replays' tokens include it;
+- attention: 4 x heads x head dim per (query, key) pair, causal over the prompt; MLA absorbed in latent space
+  (rank + rope dims for scores, rank for values), DSA over its top-k keys plus its indexer over every pair;
+- Gated DeltaNet: the chunked rule's products per token (chunks of 64), and on a split chunk the recurrence run
+  with dk more value columns (ops/gated_delta.py: `split_gated_delta_rule`);
+- an exact step with every prompt chunk recomputed: capture (1 forward), prompt backward (forward + backward,
+  3), replays (3 per token); boundary regeneration left out.
+Bytes: what one rank sends per step in the split schedule's collectives (ops/split_attention.py), bf16 activations,
+fp32 log-sum-exps and recurrent summaries, plus the parameter gradients' reduction over the group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..models.common.attention import Attention
+from ..models.common.deltanet import GatedDeltaNet
+from ..models.common.mla import MLAttention
+from ..models.registry import build
+
+GDN_CHUNK = 64
+
+
+def _active_parameters(model: torch.nn.Module) -> tuple[float, float]:
+    """(non-embedding parameters a token uses, LM head parameters)."""
+    cfg = model.config
+    share = getattr(cfg, "num_experts_per_tok", 1) / max(getattr(cfg, "n_routed_experts", 1) or 1, 1)
+    body = 0.0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or name.startswith("lm_head"):
+            continue
+        body += p.numel() * (share if ".experts." in name else 1)
+    return body, float(model.lm_head.weight.numel())
+
+
+def _gdn_per_token(m: GatedDeltaNet, widened: bool = False) -> float:
+    dv = m.v_dim + (m.k_dim if widened else 0)
+    return 2 * m.v_heads * (1.5 * GDN_CHUNK * (m.k_dim + dv) + 3 * m.k_dim * dv)
+
+
+def _pair_flops(m) -> float:
+    """Forward FLOPs of one (query, key) pair of an attention layer."""
+    if isinstance(m, Attention):
+        return 4 * m.heads * m.head_dim
+    return 2 * m.heads * (2 * m.rank + m.rope_dim)
+
+
+def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int, response_tokens: int,
+              dp: int = 1) -> dict:
+    """FLOPs per rank of one exact step (busiest rank, even split, and the replicated schedule's busiest) and
+    bytes sent per rank, for a sequence-parallel group of `sp` ranks (`dp` groups splitting the branches)."""
+    with torch.device("meta"):
+        model = build(hf_config)
+    body, head = _active_parameters(model)
+    mixers = [layer.mixer for layer in model.model.layers]
+    p, c = float(tokens), sp
+    branches = responses / dp
+    splits = all(m.splits_tokens for m in mixers)
+    token = 2 * body * p
+    attn = gdn = gdn_split = 0.0
+    replay = 2 * (body + head) * branches * response_tokens
+    sent = 0.0
+    blocks = p / c  # a rank's tokens over the whole prompt
+    for m in mixers:
+        if isinstance(m, GatedDeltaNet):
+            gdn += _gdn_per_token(m) * p
+            gdn_split += _gdn_per_token(m, widened=True) * p
+            replay += _gdn_per_token(m) * branches * response_tokens
+            # per chunk, forward twice (capture, recompute) and backward once: the blocks' summaries
+            sent += 3 * (p / chunk) * (c - 1) * m.v_heads * m.k_dim * (m.k_dim + m.v_dim) * 4
+            continue
+        pairs = p * p / 2
+        if isinstance(m, MLAttention) and m.index_topk < p:
+            idx = m.indexer
+            attn += 2 * idx.heads * idx.head_dim * pairs  # the indexer scores every pair
+            pairs = p * m.index_topk
+        attn += _pair_flops(m) * pairs
+        replay += _pair_flops(m) * branches * response_tokens * min(p, getattr(m, "index_topk", p))
+        if isinstance(m, Attention):
+            q, kv = m.heads * m.head_dim * 2, 2 * m.kv_heads * m.head_dim * 2
+            # per forward: K/V and queries gathered, partial outputs (+ lse) exchanged; backward: (do, o, lse)
+            # gathered, dq and the earlier blocks' dK/dV sent back
+            forward = (c - 1) * blocks * (kv + q + q + 4 * m.heads)
+            backward = (c - 1) * blocks * (2 * q + 4 * m.heads + q + kv)
+            sent += 2 * forward + backward
+        else:  # MLA, replicated schedule: merges of the latent outputs over the group (all-reduce)
+            sent += 3 * 2 * (c - 1) / c * p * m.heads * m.rank * 4
+    per_step = 4 * (token + attn + gdn)  # capture + recompute + backward = 4 forward units
+    even = (per_step + 3 * replay) / c
+    spread = splits and branches % c == 0
+    if splits:
+        busiest = 4 * (token + attn + gdn_split) / c + 3 * replay / (c if spread else 1)
+    else:
+        busiest = 4 * (token + gdn) + 4 * attn / c + 3 * replay
+    replicated = 4 * (token + gdn) + 4 * attn * (2 * c - 1) / (c * c) + 3 * replay  # contiguous ranges: rank 0
+    grad_bytes = 2 * (c - 1) / c * 4 * sum(t.numel() for t in model.parameters()) if c > 1 else 0.0
+    return {"flops_one_rank": per_step + 3 * replay, "flops_even": even, "flops_busiest": busiest,
+            "flops_replicated_busiest": replicated, "balance": busiest / even, "split": splits,
+            "sent_bytes": sent + grad_bytes, "sent_bytes_gradients": grad_bytes}
+
+
+def step_time(work: dict, tflops: float, link_gbps: float) -> dict:
+    """Seconds of the busiest rank's compute at `tflops` TFLOP/s, and of its sends at `link_gbps` GB/s (the sum
+    is the bound without overlap)."""
+    _check(tflops, "--tflops")
+    _check(link_gbps, "--link-gbps")
+    compute = work["flops_busiest"] / (tflops * 1e12)
+    comm = work["sent_bytes"] / (link_gbps * 1e9)
+    return {"compute_s": compute, "communication_s": comm, "step_s": compute + comm,
+            "replicated_compute_s": work["flops_replicated_busiest"] / (tflops * 1e12)}
+
+
+def format_work(work: dict, time: dict, tflops: float, link_gbps: float) -> str:
+    tf = lambda f: f"{f / 1e15:,.1f} PFLOP"  # noqa: E731
+    schedule = "split" if work["split"] else "replicated (DSA)"
+    return "\n".join([
+        f"work of one exact step ({schedule} schedule): busiest rank {tf(work['flops_busiest'])}, an even split "
+        f"{tf(work['flops_even'])} ({work['balance']:.2f}x), one rank alone {tf(work['flops_one_rank'])}; "
+        f"every rank repeating the token-local work: {tf(work['flops_replicated_busiest'])}",
+        f"sent per rank: {work['sent_bytes'] / 1e9:,.1f} GB (of it {work['sent_bytes_gradients'] / 1e9:,.1f} GB "
+        "the gradients' reduction)",
+        f"time per step at {tflops:g} TFLOP/s and {link_gbps:g} GB/s per GPU: {time['compute_s']:,.0f} s compute + "
+        f"{time['communication_s']:,.0f} s communication = {time['step_s'] / 60:,.1f} min without overlap "
+        f"(repeating the token-local work: {time['replicated_compute_s'] / 60:,.1f} min of compute)",
+    ])
+
+
+def _check(value: float, name: str) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value}")
