@@ -56,7 +56,8 @@ def run(args, nproc: int, d: Path) -> dict:
 
     cfg = TrainConfig.model_validate(dict(
         model={"random": model_config(args)}, prompt_tokens=args.P, steps=args.steps, groups=1, responses=args.G,
-        max_new_tokens=8, reward="digit_overlap", engine={"prompt_chunk": args.chunk}, run_dir=str(d / "run"),
+        max_new_tokens=8, reward="digit_overlap", run_dir=str(d / "run"),
+        engine={"prompt_chunk": args.chunk, "prompt_graph_budget": args.graph_budget},
         threads=1, pipeline={"nproc": nproc, "branches_per_task": 1, "retries": 0}))
     (d / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "PREFECT_HOME": str(d / "prefect"), "PYTHONPATH": str(ROOT)}
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--graph-budget", type=int, default=None,
+                    help="engine.prompt_graph_budget in bytes (default: a quarter of free memory; 0 recomputes every chunk)")
     ap.add_argument("--out", default="bench/out/pipeline.json")
     args = ap.parse_args()
 

@@ -5,7 +5,8 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
   weights and gradients, fp32 master weights and AdamW moments = 12 bytes per parameter);
 - the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
   holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
-- one prompt chunk's autograd activations (every rank runs every chunk), measured on proxies of one and two
+- one prompt chunk's autograd activations (a rank's block of it under the split schedule, the whole chunk for
+  DSA models, whose ranks run every chunk whole), measured on proxies of one and two
   layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
   (`prompt_graph_budget: 0`).
 
@@ -98,7 +99,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {zero}: ZeRO stages are 0, 1, 2, 3")
     with torch.device("meta"):
-        params = sum(p.numel() for p in build(hf_config).parameters())
+        meta = build(hf_config)
+    params = sum(p.numel() for p in meta.parameters())
     size = state_size(hf_config, tokens, "bf16", chunk)
     act = measured_activation_bytes(hf_config, _lora_args(lora)) if activation_bytes is None else activation_bytes
     n = gpus
@@ -118,7 +120,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
     every = boundary_interval(EngineConfig(prompt_chunk=chunk), mine, size["fixed_bytes"], int(budget))
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
-    chunk_act = act * chunk
+    chunk_act = act * chunk / (c if meta.splits_tokens else 1)  # split schedule: a rank runs its block only
     branches = max(1, responses // (gpus // c))
     branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
     common = weights + grads + optim + state
