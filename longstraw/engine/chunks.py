@@ -70,8 +70,12 @@ def gradients_summed_over_group(model: PrefixLM, parallel: SequenceGroup, split:
         if p.grad is not None:
             p.grad.div_(parallel.size)
     yield
-    for p in params:
-        if p.grad is not None:
+    # a parameter some rank's share left without a gradient still takes part in the sum on every rank
+    has = parallel.sum_(torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=parallel.device))
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             parallel.sum_(p.grad)
 
 
