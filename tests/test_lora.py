@@ -84,7 +84,7 @@ def test_adapters_only_train_and_checkpoints_load_in_peft(tmp_path):
 
     from longstraw.cli import main as cli
     from longstraw.train.worker import Worker
-    from tests.train.test_inputs import make_cfg
+    from tests.train.test_train_inputs import make_cfg
     from tests.train.test_worker import replay
 
     cfg = make_cfg(tmp_path, lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]},
@@ -126,7 +126,7 @@ def test_bad_targets_and_ranks_are_clear_errors(tmp_path):
     from pydantic import ValidationError
 
     from longstraw.train import inputs
-    from tests.train.test_inputs import make_cfg
+    from tests.train.test_train_inputs import make_cfg
 
     model = tiny_model("qwen3")
     with pytest.raises(ValueError, match=r"LoRA target 'qproj' matches no linear module .*: .*q_proj"):

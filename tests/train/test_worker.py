@@ -22,7 +22,7 @@ from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.optim import build_optimizer
 from longstraw.train.worker import Worker, next_version
 from tests.conftest import flat_grad, rel_err
-from tests.train.test_inputs import make_cfg
+from tests.train.test_train_inputs import make_cfg
 
 ADV = [1.0, -0.5, 0.7, -1.2]
 
