@@ -13,7 +13,10 @@ part's gradient comes from its own kernel: dK/dV of the earlier blocks go back t
 gradient stays with them (added into the dState sink in exact mode), and each rank's share of the other ranks'
 dq goes back to them. Every rank makes the same collectives in the same order, forward and backward.
 
-Shapes: q [1, H, t, d]; k, v [1, Hkv, t, d]; prefix k, v [Hkv, N, d] (this rank's rows; N may be 0).
+The same serves independent sequences of one length on each rank (the branches the ranks of a group replay
+apart): no earlier blocks, any batch.
+
+Shapes: q [B, H, t, d]; k, v [B, Hkv, t, d]; prefix k, v [Hkv, N, d] (this rank's rows; N may be 0).
 """
 
 from __future__ import annotations
