@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
+from ..state.segment import ChunkSplit
 from .checks import check_state
 from .chunks import block_rows, chunk_with_graph, gradients_summed_over_group, run_chunk, splits
 
@@ -90,13 +91,11 @@ def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: Sequen
     if split or parallel.size == 1:
         return mine
     # replicated: the whole chunk's rows, from every rank's block, in position order
-    blocks = parallel.chunk_blocks(i, s, e)
-    order = sorted(range(parallel.size), key=lambda r: blocks[r][0])
-    sizes = [b - a for a, b in blocks]
+    blocks = ChunkSplit(parallel.chunk_blocks(i, s, e), parallel)
     out = []
     for t in mine:
-        parts = parallel.gather_blocks(t, sizes, dim=-2)
-        out.append(torch.cat([parts[r] for r in order], dim=-2))
+        parts = parallel.gather_blocks(t, blocks.sizes, dim=-2)
+        out.append(torch.cat([parts[r] for r in blocks.order], dim=-2))
     return out
 
 
