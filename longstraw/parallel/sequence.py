@@ -17,8 +17,10 @@ Two schedules run a prompt chunk over that layout (engine/chunks.py):
 - replicated (DSA models, until their top-k is split too): every rank runs the whole chunk; attention over the
   prefix is split by owner and merged by log-sum-exp (`merge`), so every rank holds the same output and the
   same parameter gradient.
-Replay and decoding (few queries over the sharded prefix) always take the replicated pattern: it is the right
-one there. In a backward the gradient of a rank's own rows stays on it (dState is sharded like the state).
+Decoding (few queries over the sharded prefix) takes the replicated pattern for every family: it is the right
+one there. Replay under the split schedule gives each rank its share of the branches when they divide evenly,
+whose queries visit every rank's rows as a split chunk's do; otherwise it is replicated too. In a backward the
+gradient of a rank's own rows stays on it (dState is sharded like the state).
 """
 
 from __future__ import annotations
