@@ -54,6 +54,8 @@ def activation_bytes_per_token(model: PrefixLM) -> int:
 
 def kept_chunk_count(model: PrefixLM, chunks: list[tuple[int, int]], budget: int) -> int:
     """How many final prompt chunks fit the graph budget."""
+    if budget <= 0:  # nothing to measure
+        return 0
     per_token = activation_bytes_per_token(model)
     kept, used = 0, 0
     for s, e in reversed(chunks):

@@ -15,9 +15,11 @@ from tqdm.auto import tqdm
 from ..memory import free_bytes
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
+from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import kept_chunk_count
-from .chunks import Kept, check_prompt, chunk_with_graph, empty_state, run_chunk, store_chunk
+from .chunks import (Kept, check_prompt, chunk_segment, chunk_with_graph, empty_state, layer_major, run_chunk,
+                     store_chunk)
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval
 
 
@@ -67,10 +69,14 @@ def capture(
         state.boundary_every = boundary_interval(engine, -(-n // parallel.size), state.fixed_nbytes, free)
         if first_kept < n:
             state.graphs = PromptGraphs(state.grad_buffer(), {})
-    for i in tqdm(range(n), desc="capture", unit="chunk", disable=not progress, leave=False):
+    # layer-major (ZeRO-3): the chunks without a kept graph, each layer gathered once for all, not once per chunk
+    done = first_kept if first_kept > 1 and layer_major(model, engine.prompt_order, state, parallel) else 0
+    if done:
+        _capture_by_layer(model, state, done, exact, parallel, progress)
+    for i in tqdm(range(done, n), desc="capture", unit="chunk", disable=not progress, leave=False):
         # one rank keeps each; taken before the chunk moves the state on. Kept even where the chunk's graph is
         # kept too: a stored state has no graphs, and its prompt backward recomputes from these.
-        if exact and i % state.boundary_every == 0 and parallel.boundary_owner(i, state.boundary_every) == parallel.rank:
+        if exact and _keeps_boundary(state, i, parallel):
             state.boundaries[i] = boundary_states(state.layers)
         if i >= first_kept:
             with torch.enable_grad():
@@ -81,6 +87,32 @@ def capture(
             emitted = run_chunk(model, state, i, parallel=parallel)
         store_chunk(model, state, i, emitted, parallel)
     return state
+
+
+def _keeps_boundary(state: PrefixState, i: int, parallel: SequenceGroup) -> bool:
+    """Whether this rank keeps the boundary states at chunk i's start (one rank keeps each kept one)."""
+    return i % state.boundary_every == 0 and parallel.boundary_owner(i, state.boundary_every) == parallel.rank
+
+
+def _capture_by_layer(model: PrefixLM, state: PrefixState, count: int, exact: bool, parallel: SequenceGroup,
+                      progress: bool) -> None:
+    """Capture chunks 0..count-1 layer-major (`emit_states_by_layer`): the same state and boundaries as chunk by
+    chunk, each layer's boundary state taken when the layer reaches the chunk."""
+    chunks = [chunk_segment(state, i, parallel=parallel) for i in range(count)]
+    if exact and _keeps_boundary(state, 0, parallel):
+        state.boundaries[0] = boundary_states(state.layers)
+    bar = tqdm(total=count * len(state.layers), desc="capture (layer-major)", unit="chunk-layer",
+               disable=not progress, leave=False)
+
+    def stored(j: int, i: int) -> None:
+        store_chunk(model, state, i, {j: chunks[i][1].emitted.pop(j)}, parallel)
+        if exact and i + 1 < count and _keeps_boundary(state, i + 1, parallel) and \
+                (b := state.layers[j].boundary()) is not None:
+            state.boundaries.setdefault(i + 1, {})[j] = b
+        bar.update()
+
+    with bar:
+        model.emit_states_by_layer(chunks, stored, gathered_once)
 
 
 def new_dstate(state: PrefixState) -> dict[int, LayerState]:

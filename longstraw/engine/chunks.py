@@ -4,20 +4,22 @@ A chunk reads the per-token rows of the earlier chunks and the fixed-size states
 for them), and emits what it adds to the state. Capture runs chunks without autograd; exact mode runs them with
 autograd, from capture (the kept graphs) or in the prompt backward (recomputed).
 
-Over a sequence-parallel group every rank holds its block of every chunk (parallel/sequence.py). Under the split
-schedule (`splits`) a rank runs only its block and emits that block's rows; under the replicated one it runs the
-whole chunk and keeps its block's rows.
+Over a sequence-parallel group every rank holds its block of every chunk (parallel/sequence.py), and runs only
+that block, emitting its rows (the split schedule).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from ..memory import free_bytes
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup, gradient_replicas, is_sharded
+from ..parallel.fsdp import gathers_per_use
 from ..state import LayerState, PrefixState, PrefixView, RowMap, Segment
 from ..state.segment import ChunkSplit
 from .checks import as_ids
@@ -47,18 +49,13 @@ def held_rows(chunks: list[tuple[int, int]], parallel: SequenceGroup = ONE_RANK)
     return RowMap(tuple(parallel.chunk_blocks(i, s, e)[parallel.rank] for i, (s, e) in enumerate(chunks)))
 
 
-def splits(model: PrefixLM, parallel: SequenceGroup) -> bool:
-    """Whether the ranks run only their blocks of each chunk (else every rank runs whole chunks)."""
-    return parallel.size > 1 and model.splits_tokens
-
-
 @contextmanager
-def gradients_summed_over_group(model: PrefixLM, parallel: SequenceGroup, split: bool) -> Iterator[None]:
-    """Within, under the split schedule (`split`), each rank's parameter gradients are its own share of the work:
-    on leaving they are summed over the group, so that every rank holds the whole (as after a replicated
-    backward). What `param.grad` held before (the same on every rank) is divided by C first, so the sum counts
-    it once; FSDP sums over all ranks itself and is told these gradients are not replicated."""
-    if not split:
+def gradients_summed_over_group(model: PrefixLM, parallel: SequenceGroup, split: bool = True) -> Iterator[None]:
+    """Within, when the ranks of a group each do their share of the work (`split`), each rank's parameter
+    gradients are its own share: on leaving they are summed over the group, so that every rank holds the whole.
+    What `param.grad` held before (the same on every rank) is divided by C first, so the sum counts it once; FSDP
+    sums over all ranks itself and is told these gradients are not replicated."""
+    if not split or parallel.size == 1:
         yield
         return
     if is_sharded(model):
@@ -88,22 +85,61 @@ def run_chunk(
     parallel: SequenceGroup = ONE_RANK,
 ) -> dict[int, LayerState]:
     """Forward chunk i on the state of the chunks before it; returns what each layer adds to the state (the rows
-    of this rank's block under the split schedule, else of the whole chunk).
+    of this rank's block).
 
     `prefix` overrides the layers' states (exact mode passes boundary states as autograd leaves); per-token
     layers read their rows before the chunk. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
     """
+    ids, seg = chunk_segment(state, i, prefix, grad, parallel)
+    model.emit_states(ids, seg)
+    return seg.emitted
+
+
+def chunk_segment(state: PrefixState, i: int, prefix: list[LayerState] | None = None,
+                  grad: dict[int, LayerState] | None = None, parallel: SequenceGroup = ONE_RANK
+                  ) -> tuple[torch.Tensor, Segment]:
+    """The input ids [1, t] this rank runs of chunk i (its block) and the segment that collects what they emit."""
     s, e = state.chunks[i]
     view = PrefixView(prefix or state.layers, s, grad, state.rows, parallel)
-    if splits(model, parallel):
-        blocks = parallel.chunk_blocks(i, s, e)
-        a, b = blocks[parallel.rank]
-        seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel))
-        model.emit_states(state.prompt_ids[a:b][None], seg)
-    else:
+    if parallel.size == 1:
         seg = Segment(start=s, prefix=view, collect=True)
-        model.emit_states(state.prompt_ids[s:e][None], seg)
-    return seg.emitted
+    else:
+        blocks = parallel.chunk_blocks(i, s, e)
+        a, e = blocks[parallel.rank]
+        seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel))
+    return state.prompt_ids[seg.start:e][None], seg
+
+
+def layer_major(model: PrefixLM, order: str, state: PrefixState, parallel: SequenceGroup = ONE_RANK) -> bool:
+    """Whether capture and the exact prompt backward walk `state`'s prompt layer by layer
+    (`EngineConfig.prompt_order`). auto: under ZeRO-3, so that each layer is gathered once per pass, not once per
+    chunk, when what the layer-major backward keeps (`layer_major_bytes`) fits a quarter of free memory (the
+    smallest over the ranks, so that they agree)."""
+    if order == "layers" and not model.layers_stand_alone:
+        raise ValueError("prompt_order 'layers' runs each layer apart, but this model's DSA layers reuse an earlier "
+                         "layer's top-k selection (indexer_types 'shared'); use prompt_order 'chunks' or 'auto'")
+    if order != "auto":
+        return order == "layers"
+    if not (gathers_per_use(model) and model.layers_stand_alone):
+        return False
+    free = parallel.agree_min(free_bytes(next(model.parameters()).device))
+    return layer_major_bytes(model, state) <= free // 4
+
+
+def layer_major_bytes(model: PrefixLM, state: PrefixState) -> int:
+    """What the layer-major prompt backward keeps on a rank: layers / k + k hidden states of its rows, and one
+    group of k layers' fixed-size states at every chunk start (engine/prompt_by_layer.py)."""
+    layers = len(state.layers)
+    k = checkpoint_every(layers)
+    p = next(model.parameters())
+    hidden = state.rows.rows * model.config.hidden_size * p.element_size()
+    return (-(-layers // k) + k) * hidden + state.fixed_nbytes * k // layers * (len(state.chunks) + 1)
+
+
+def checkpoint_every(layers: int) -> int:
+    """Layers per checkpoint group of the layer-major backward: ceil(sqrt(layers)), which keeps layers / k + k
+    hidden states near the least."""
+    return max(1, math.isqrt(max(layers, 1) - 1) + 1)
 
 
 def chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: dict[int, LayerState],
@@ -128,23 +164,19 @@ def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int,
     return PrefixState(layers, prompt_ids.to(p.device), chunks, model.config.fingerprint, rows=rows)
 
 
-def block_rows(state: PrefixState, i: int, parallel: SequenceGroup) -> tuple[int, int, int]:
-    """(first row, rows, offset in the chunk) of this rank's block of chunk i."""
+def block_rows(state: PrefixState, i: int, parallel: SequenceGroup) -> tuple[int, int]:
+    """(first row, rows) of this rank's block of chunk i."""
     s, e = state.chunks[i]
     a, b = parallel.chunk_blocks(i, s, e)[parallel.rank]
-    return state.rows.before(a), b - a, a - s
+    return state.rows.before(a), b - a
 
 
 def store_chunk(model: PrefixLM, state: PrefixState, i: int, emitted: dict[int, LayerState],
                 parallel: SequenceGroup = ONE_RANK) -> None:
     """Add chunk i's emitted state (batch row 0) to the prefix state: this rank's block of its rows."""
-    row, count, offset = block_rows(state, i, parallel)
-    whole = not splits(model, parallel)  # emitted rows are the whole chunk's: keep this rank's block
+    row, _ = block_rows(state, i, parallel)
     for j, new in emitted.items():
-        new = new.row(0)
-        if new.token_axis is not None and whole:
-            new = new.narrow(offset, offset + count)
-        state.layers[j] = state.layers[j].append(row, new)
+        state.layers[j] = state.layers[j].append(row, new.row(0))
 
 
 def check_prompt(model: PrefixLM, prompt_ids, parallel: SequenceGroup = ONE_RANK) -> torch.Tensor:

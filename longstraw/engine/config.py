@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import math
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_CHUNK = 2048
+
+
+PromptOrder = Literal["auto", "chunks", "layers"]
 
 
 class EngineConfig(BaseModel):
@@ -25,6 +30,10 @@ class EngineConfig(BaseModel):
         None, ge=1, strict=True, description="exact mode with recurrent layers: keep their state at every k-th prompt-chunk "
         "start and regenerate the others during the prompt backward; default: every one if they fit an eighth of "
         "free memory, else k = ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)")
+    prompt_order: PromptOrder = Field(
+        "auto", description="how capture and the exact prompt backward walk the prompt: 'chunks' (every layer per "
+        "chunk), 'layers' (every chunk per layer: each ZeRO-3 layer gathered once per pass, for one more prompt "
+        "forward and sqrt(layers) hidden states of the rank's tokens kept); auto: 'layers' under ZeRO-3")
 
 
 def sqrt_interval(chunks: int) -> int:

@@ -78,7 +78,7 @@ def grpo_backward(
         totals = replay(model, state, branches.select(parallel.branches(len(branches))), loss, dstate, engine=engine,
                         parallel=parallel, progress=progress)
         if exact:
-            prompt_backward(model, state, dstate, parallel=parallel, progress=progress)
+            prompt_backward(model, state, dstate, parallel=parallel, order=engine.prompt_order, progress=progress)
         if summed_here:
             reduce_gradients(model, parallel)
 

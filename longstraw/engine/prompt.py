@@ -6,12 +6,11 @@ make of it: per-token layers accumulate into it in place over all branches and l
 entry is the gradient of its state at the current chunk boundary. A chunk is recomputed from its boundary states
 (kept at capture, or regenerated from the last kept one before it), unless capture kept its graph.
 
-Over a sequence-parallel group every rank runs every chunk; one rank keeps each chunk's boundary states and hands
-them to the others (`SequenceGroup.share`). Under the split schedule a rank back-propagates its block: its rows'
-dState is its own, the fixed-size states (the same on every rank) take 1/C of their gradient on each rank, and
-what is partial per rank (the chunk's starting states' gradients, the parameters') is summed over the group.
-Under the replicated schedule every rank back-propagates the whole chunk, whose rows' dState the ranks gather
-from their blocks. On one rank the same code runs with collectives that do nothing.
+Over a sequence-parallel group every rank runs its block of every chunk; one rank keeps each chunk's boundary
+states and hands them to the others (`SequenceGroup.share`). A rank back-propagates its block: its rows' dState
+is its own, the fixed-size states (the same on every rank) take 1/C of their gradient on each rank, and what is
+partial per rank (the chunk's starting states' gradients, the parameters') is summed over the group. On one rank
+the same code runs with collectives that do nothing.
 """
 
 from __future__ import annotations
@@ -22,25 +21,30 @@ from tqdm.auto import tqdm
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
-from ..state.segment import ChunkSplit
 from .checks import check_state
-from .chunks import block_rows, chunk_with_graph, gradients_summed_over_group, run_chunk, splits
+from .chunks import block_rows, chunk_with_graph, gradients_summed_over_group, layer_major, run_chunk
+from .config import PromptOrder
+from .prompt_by_layer import prompt_backward_by_layer
 
 Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size states at its start, by layer
 
 
 def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, LayerState], *,
-                    parallel: SequenceGroup = ONE_RANK, progress: bool = False) -> None:
+                    parallel: SequenceGroup = ONE_RANK, order: PromptOrder = "auto", progress: bool = False) -> None:
     """Back-propagate `dstate` (dLoss/dState of all this group's branches) through the prompt into `param.grad`.
 
     With data-parallel groups, dstate is first summed over them (each group then runs the same prompt backward in
     lockstep, as ZeRO-3 and FSDP need, with 1/dp of it: the groups' parameter gradients add up to one). Chunk i's
     per-token rows have their final gradient once all later chunks are done; its backward adds into the rows
     before it, into its boundary leaves (whose gradients become the fixed-size layers' entries for chunk i-1) and
-    into the parameters. The state is left as it is (its kept graphs are used up)."""
+    into the parameters. The state is left as it is (its kept graphs are used up).
+
+    `order` (`EngineConfig.prompt_order`): layer by layer, the chunks without a kept graph run in the layer-major
+    order of engine/prompt_by_layer.py, after the kept ones."""
     check_state(model, state, parallel)
+    by_layer = layer_major(model, order, state, parallel)
     parallel.check_agree("prompt backward settings", {
-        "chunks": len(state.chunks), "boundary_every": state.boundary_every,
+        "chunks": len(state.chunks), "boundary_every": state.boundary_every, "by_layer": by_layer,
         "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept)})
     kept = {}
     if state.graphs is not None:  # the kept graphs add into their own buffer: make it the one
@@ -52,11 +56,12 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     for g in dstate.values():
         for t in g.tensors():
             parallel.dp_sum_(t).div_(parallel.dp_size)
-    split = splits(model, parallel)
     stored: Boundaries = dict(state.boundaries)  # consumed here; the state keeps its own
     shared: Boundaries = {}  # the boundaries every rank holds: regenerated, or handed on by their owner
-    with gradients_summed_over_group(model, parallel, split):
-        for i in tqdm(range(len(state.chunks) - 1, -1, -1), desc="prompt backward", unit="chunk",
+    n = len(state.chunks)
+    by_chunk = min(kept, default=n) if by_layer else 0  # the chunks from here on run chunk by chunk
+    with gradients_summed_over_group(model, parallel):
+        for i in tqdm(range(n - 1, by_chunk - 1, -1), desc="prompt backward", unit="chunk",
                       disable=not progress, leave=False):
             if i in kept:
                 emitted, leaves = kept.pop(i)
@@ -67,36 +72,29 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
             outputs, grads = [], []
             for j, new in emitted.items():
                 outputs += new.differentiable()
-                grads += _output_grads(state, i, dstate[j], parallel, split)
+                grads += _output_grads(state, i, dstate[j], parallel)
             # with frozen weights (LoRA) some outputs have no path to anything trainable (layer 0's K/V of chunk 0)
             live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
             if live:
                 torch.autograd.backward(*map(list, zip(*live)))
             for j, leaf in enumerate(leaves):
                 if (g := leaf.leaf_grad()) is not None:
-                    if split:  # each rank's share of the chunk's starting state's gradient
-                        for t in g.tensors():
-                            parallel.sum_(t)
+                    for t in g.tensors():  # each rank's share of the chunk's starting state's gradient
+                        parallel.sum_(t)
                     dstate[j] = g
+        if by_chunk:
+            prompt_backward_by_layer(model, state, by_chunk, dstate, lambda i, g: _output_grads(state, i, g, parallel),
+                                     parallel, progress=progress)
 
 
-def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: SequenceGroup, split: bool
-                  ) -> list[torch.Tensor]:
-    """The gradients of what chunk i emitted into layer state `grad`'s layer, read from dState."""
+def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: SequenceGroup) -> list[torch.Tensor]:
+    """The gradients of what chunk i emitted into layer state `grad`'s layer, read from dState: this rank's
+    block's rows; of a fixed-size state (the same on every rank, each rank feeding its share of it), 1/C."""
     s, e = state.chunks[i]
-    if grad.token_axis is None:  # a fixed-size state, the same on every rank: split, each rank feeds 1/C of it
-        return [g / parallel.size for g in grad.segment_grads(s, e)] if split else grad.segment_grads(s, e)
-    row, count, _ = block_rows(state, i, parallel)
-    mine = grad.segment_grads(row, row + count)
-    if split or parallel.size == 1:
-        return mine
-    # replicated: the whole chunk's rows, from every rank's block, in position order
-    blocks = ChunkSplit(parallel.chunk_blocks(i, s, e), parallel)
-    out = []
-    for t in mine:
-        parts = parallel.gather_blocks(t, blocks.sizes, dim=-2)
-        out.append(torch.cat([parts[r] for r in blocks.order], dim=-2))
-    return out
+    if grad.token_axis is None:
+        return [g / parallel.size for g in grad.segment_grads(s, e)]
+    row, count = block_rows(state, i, parallel)
+    return grad.segment_grads(row, row + count)
 
 
 def _boundary(model: PrefixLM, state: PrefixState, i: int, stored: Boundaries, shared: Boundaries,

@@ -17,7 +17,7 @@ from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, PrefixView, Segment
 from .branches import Branches
 from .checks import as_responses, check_positions, check_state
-from .chunks import gradients_summed_over_group, splits
+from .chunks import gradients_summed_over_group
 from .config import EngineConfig
 
 LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum")
@@ -112,9 +112,9 @@ def replay(
     check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
     parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
                                              "branches": len(branches)})
-    # under the split schedule the ranks of the group replay their own share of the branches (their queries visit
-    # every rank's rows), when the branches split evenly; else every rank replays all of them
-    spread = splits(model, parallel) and len(branches) % parallel.size == 0
+    # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), when
+    # the branches split evenly; else every rank replays all of them
+    spread = parallel.size > 1 and len(branches) % parallel.size == 0
     if spread:
         per = len(branches) // parallel.size
         pad = max(r.numel() for r in branches.tokens)  # one length on every rank: their queries are gathered

@@ -3,7 +3,8 @@ implements it for every family; its layers' mixers implement `TokenMixer` (model
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -16,7 +17,6 @@ from .config import ModelConfig
 class PrefixLM(Protocol):
     config: ModelConfig
     fp32_suffixes: tuple[str, ...]  # parameters kept in at least fp32 whatever the model dtype
-    splits_tokens: bool  # the ranks of a group may each run only their block of a prompt chunk (sequence.py)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """As nn.Module's: the engine reads the model's dtype and device from the first."""
@@ -31,5 +31,16 @@ class PrefixLM(Protocol):
     def __call__(self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int = 0) -> torch.Tensor:
         """Logits [B, T - logits_from, V] of positions seg.start + logits_from.. over the segment's prefix."""
 
+    decoder_layers: nn.ModuleList  # each with `capture` and `emit_state` (models/common/decoder.py)
+    layers_stand_alone: bool  # no layer reads another layer's output in its segment (DSA's shared selection)
+
+    def embed(self, input_ids: torch.Tensor, seg: Segment) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The embeddings of positions seg.start.. and their rotary (cos, sin)."""
+
     def emit_states(self, input_ids: torch.Tensor, seg: Segment) -> None:
         """Only what each layer adds to the state, into `seg.emitted` (no LM head; prompt capture)."""
+
+    def emit_states_by_layer(self, chunks: list[tuple[torch.Tensor, Segment]], stored: Callable[[int, int], None],
+                             hold: Callable[[nn.Module], AbstractContextManager]) -> None:
+        """`emit_states` of several chunks, layer-major: each layer over every chunk before the next layer, inside
+        `hold(layer)`; `stored(layer, chunk)` after each."""

@@ -4,9 +4,10 @@ Positions 0..N-1 are the prefix state (constant to autograd; the backward adds i
 N..N+T-1 the segment's own tokens (ordinary autograd inputs). Memory stays bounded: selection streams over the
 prefix in blocks, attention processes queries in blocks and recomputes the gathers in backward.
 
-Sharded over a sequence-parallel group, a rank holds some prefix rows only, at the positions `row_positions`
-gives (ascending). Selection is global: each rank's top-k candidates are gathered and merged with the own tokens
-under the same tie rule.
+Sharded over a sequence-parallel group whose ranks all run the same queries (decoding, branches that do not
+split over the ranks), a rank holds some prefix rows only, at the positions `row_positions` gives (ascending).
+Selection is global: each rank's top-k candidates are gathered and merged with the own tokens under the same tie
+rule. (A split prompt chunk or spread branches: ops/split_sparse_attention.py.)
 Attention is two partial softmaxes, over the selected prefix rows (this rank's, merged by log-sum-exp over the
 group) and over the selected own rows; the backward uses the merged output, and sums the ranks' shares of dq.
 """

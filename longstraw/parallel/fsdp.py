@@ -25,18 +25,20 @@ are each rank's own share: it runs under `gradient_replicas(model, 1, ...)`. `gr
 data-parallel sum to FSDP.
 
 Lockstep: FSDP all-gathers a layer's parameters over all N ranks at each of its forwards, so every rank must run
-the same forwards in the same order. The engine does: every rank of a group runs every chunk, and the groups
-replay equally many branch batches (`SequenceParallel.branches` splits G evenly).
+the same forwards in the same order. The engine does: every rank of a group runs its block of every chunk, and
+the groups replay equally many branch batches (`SequenceParallel.branches` splits G evenly).
 
 At 27B / 8 ranks, ZeRO-3 holds 1/8 of the bf16 weights, fp32 gradients and moments per rank (`longstraw plan
---zero 3`), but each forward gathers every layer once: a prompt of P tokens in chunks of c moves about
-(P / c) x the weight bytes per rank through all-gathers, so use large prompt chunks (8K-32K) under ZeRO-3.
+--zero 3`), but each use of a layer gathers it: walked chunk by chunk, a prompt of P tokens in chunks of c would
+move 2 P / c times the weight bytes per rank through all-gathers in the exact prompt backward. Capture and the
+prompt backward therefore walk the prompt layer by layer under ZeRO-3 (engine/prompt_by_layer.py), each layer
+held gathered over all chunks (`gathered_once`) and its gradient reduced once.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -51,7 +53,7 @@ from .sequence import ONE_RANK, SequenceGroup
 
 STAGES = (2, 3)
 LAYER_METHODS = ("capture", "emit_state")  # what capture calls on a layer instead of forward
-MODEL_METHODS = ("emit_states",)
+MODEL_METHODS = ("emit_states", "emit_states_by_layer", "embed")
 
 # The capture methods return the emitted state's tensors, some of them views (a transposed K/V). The engine
 # never writes into them in place, which is what FSDP warns about.
@@ -97,9 +99,11 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
     reshard = stage == 3
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        layer.reshards_after_forward = reshard  # what `gathered_once` restores
         for method in LAYER_METHODS:
             register_fsdp_forward_method(layer, method)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    model.reshards_after_forward = reshard
     for method in MODEL_METHODS:
         register_fsdp_forward_method(model, method)
     replicas = parallel.size
@@ -109,6 +113,35 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
             module.set_gradient_divide_factor(float(replicas))
             module.set_force_sum_reduction_for_comms(gloo)
     return model
+
+
+def gathers_per_use(model: nn.Module) -> bool:
+    """Whether the model is sharded for ZeRO-3 (each use of a layer gathers its weights)."""
+    return any(getattr(m, "reshards_after_forward", False) for m in model.modules())
+
+
+@contextmanager
+def gathered_once(module: nn.Module, backward: bool = False) -> Iterator[Callable[[], None]]:
+    """Within, a ZeRO-3 unit's parameters stay gathered across its forwards (and with `backward`, its backwards):
+    one all-gather and one reshard for all of them (the layer-major order runs every chunk through a layer in
+    between). With `backward` the gradients accumulate unreduced until the backward after the call of what this
+    yields: that one reduce-scatters them all. Any other module as it is."""
+    if not getattr(module, "reshards_after_forward", False):
+        yield lambda: None
+        return
+    module.unshard()
+    module.set_reshard_after_forward(False, recurse=False)
+    if backward:
+        module.set_reshard_after_backward(False, recurse=False)
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield lambda: module.set_requires_gradient_sync(True, recurse=False)
+    finally:
+        module.set_reshard_after_forward(True, recurse=False)
+        if backward:
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_requires_gradient_sync(True, recurse=False)
+        module.reshard()
 
 
 @contextmanager

@@ -8,19 +8,18 @@ Layout: every prompt chunk is cut into C contiguous blocks, one per rank (`chunk
 chunks and reversed for odd ones, so that the causal work inside chunks evens out over pairs of chunks. A rank
 holds the rows of its block of every chunk (`state.RowMap`); fixed-size states are replicated.
 
-Two schedules run a prompt chunk over that layout (engine/chunks.py):
-- split (models whose mixers all support it: attention, MLA without DSA, Gated DeltaNet): each rank computes only
-  its block, through every layer. Attention: the chunk's earlier blocks' K/V come by all-gather, the rows of
-  earlier chunks stay where they live and every rank's queries visit them (`ops/split_attention.py`); Gated
-  DeltaNet: each block's affine summary of the recurrence is all-gathered and composed (`ops/gated_delta.py`).
-  Parameter gradients are then partial per rank and summed over the group.
-- replicated (DSA models, until their top-k is split too): every rank runs the whole chunk; attention over the
-  prefix is split by owner and merged by log-sum-exp (`merge`), so every rank holds the same output and the
-  same parameter gradient.
-Decoding (few queries over the sharded prefix) takes the replicated pattern for every family: it is the right
-one there. Replay under the split schedule gives each rank its share of the branches when they divide evenly,
-whose queries visit every rank's rows as a split chunk's do; otherwise it is replicated too. In a backward the
-gradient of a rank's own rows stays on it (dState is sharded like the state).
+A prompt chunk runs split over that layout (engine/chunks.py): each rank computes only its block, through every
+layer. Attention: the chunk's earlier blocks' K/V come by all-gather, the rows of earlier chunks stay where they
+live and every rank's queries visit them (`ops/split_attention.py`); DSA: every rank scores every rank's queries
+over its own rows, the owners merge the candidates into the global top-k, and the sparse attention runs where
+the selected rows live (`ops/split_sparse_attention.py`); Gated DeltaNet: each block's affine summary of the
+recurrence is all-gathered and composed (`ops/gated_delta.py`). Parameter gradients are then partial per rank
+and summed over the group.
+Replay gives each rank its share of the branches when they divide evenly, whose queries visit every rank's rows
+as a split chunk's do. Otherwise, and when decoding (few queries over the sharded prefix: the right pattern
+there), every rank runs all the queries and the attention over the prefix is split by owner and merged by
+log-sum-exp (`merge`), so every rank holds the same output. In a backward the gradient of a rank's own rows stays
+on it (dState is sharded like the state).
 """
 
 from __future__ import annotations
@@ -231,7 +230,7 @@ class SequenceParallel(SequenceGroup):
         t = t.contiguous()
         self.bytes_communicated += t.nelement() * t.element_size()
         if autograd:
-            whole = fc.all_gather_tensor_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)
+            whole = fc.all_gather_single_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)
             whole = fc.wait_tensor(whole) if isinstance(whole, fc.AsyncCollectiveTensor) else whole
             parts = whole.unbind(0)
         else:

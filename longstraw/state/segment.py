@@ -20,6 +20,7 @@ from ..ops.attention import decode_attention, segment_attention
 from ..ops.gated_delta import gated_delta_rule, split_gated_delta_rule
 from ..ops.sparse_attention import select_topk_global, sparse_latent_attention
 from ..ops.split_attention import split_chunk_attention
+from ..ops.split_sparse_attention import SplitLayout, split_select_topk, split_sparse_attention
 from ..parallel.sequence import ONE_RANK, SequenceGroup
 from .prefix import RowMap
 from .protocol import LayerState, TokenState
@@ -220,29 +221,51 @@ class Segment:
             return gated_delta_rule(q, k, v, g, beta, ssm0)
         return split_gated_delta_rule(q, k, v, g, beta, ssm0, self.split.group, self.split.order)
 
-    def select_topk(self, layer: int, k: int, prefix_scores: Callable[[TokenState], Tensor],
-                    own_scores: Tensor) -> tuple[Tensor, Tensor]:
+    def select_topk(self, layer: int, k: int, queries: tuple[Tensor, ...],
+                    score: Callable[[tuple[Tensor, ...], Tensor], Tensor], keys: Callable[[TokenState], Tensor],
+                    own: TokenState):
         """DSA: the top-k positions per query (ties: the lower position) over the whole visible prefix (every
-        rank's rows, when sharded) and the own rows, the same on every rank: (positions [B, T, k'] ascending,
-        valid [B, T, k']); see `ops.sparse_attention.select_topk`.
+        rank's rows, when sharded) and the own rows: (positions [B, T, k'] ascending, valid [B, T, k']), the same
+        on every rank; see `ops.sparse_attention.select_topk`. On a split chunk or spread branches: a
+        `SplitSelection` of every rank's queries over the rows this rank holds, for `attend_sparse`.
 
-        `prefix_scores(rows)` scores a block of the layer's prefix rows ([B, T, L] for L rows; the prefix streams
-        through in blocks of `KEY_BLOCK`, one block's scores alive at a time); `own_scores` [B, T, L_own] scores
-        `own_rows`, unmasked: the segment masks the own rows each query may not see."""
+        `queries` are the indexer's queries ([B, T, ...] each), `score(queries, keys)` their scores [B, T, L]
+        over key rows [L, D] (the prefix streams through in blocks of `KEY_BLOCK`, one block's scores alive at a
+        time) or [B, L, D]; `keys(state)` a state's index key rows; `own` the rows from `own_rows`. The segment
+        masks the own rows each query may not see."""
         rows = self.prefix_rows(layer)
+        kb = sparse_attention.KEY_BLOCK
+        if self.split is not None or self.spread:
+            own_keys = keys(own)
+            return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k,
+                                     self._split_layout(own.tokens, own_keys.device), kb)
         count = 0 if rows is None else rows.tokens
+        own_scores = score(queries, keys(own))
         device = own_scores.device
         positions = self._row_positions(device)
-        kb = sparse_attention.KEY_BLOCK
         # Looping over block numbers, not over range(0, count, kb), lets torch.compile keep `count` symbolic: its
         # guard is on the number of blocks
         blocks = ((torch.arange(b * kb, min((b + 1) * kb, count), device=device) if positions is None
                    else positions[b * kb : (b + 1) * kb],
-                   prefix_scores(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :])))
+                   score(queries, keys(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :]))))
                   for b in range(-(-count // kb)))
         first = self.prefix_length
-        own = (torch.arange(first, first + own_scores.shape[-1], device=device), self._mask_own(own_scores))
-        return select_topk_global(blocks, own, k, self.parallel)
+        mine = (torch.arange(first, first + own_scores.shape[-1], device=device), self._mask_own(own_scores))
+        return select_topk_global(blocks, mine, k, self.parallel)
+
+    def visible_positions(self, own_tokens: int) -> int:
+        """The most positions a query of the segment sees (on any rank), given its own rows' count."""
+        return self.prefix_length + (sum(self.split.sizes) if self.split is not None else own_tokens)
+
+    def _split_layout(self, own_tokens: int, device: torch.device) -> SplitLayout:
+        """Who holds which rows and queries, on a split chunk or spread branches."""
+        group = self.parallel
+        if self.split is not None:
+            sizes, starts = self.split.sizes, [a for a, _ in self.split.blocks]
+        else:
+            sizes, starts = [own_tokens] * group.size, [self.start] * group.size
+        return SplitLayout(sizes, starts, self.start, self.prefix_length, self.prefix.row_positions(device),
+                           self.spread, group)
 
     def _row_positions(self, device: torch.device) -> Tensor | None:
         """The positions of the held prefix rows when they are not simply 0.. (a sharded prefix), else None."""
@@ -259,13 +282,17 @@ class Segment:
             return s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= visible, float("-inf"))
         return s
 
-    def attend_sparse(self, layer: int, q: Tensor, own: TokenState, selected: tuple[Tensor, Tensor],
-                      scale: float, vdim: int, rows: Callable[[TokenState], Tensor]) -> Tensor:
-        """DSA: softmax attention of q [B, T, H, D] over the `selected` (positions, valid) of the layer's prefix
-        rows followed by `own` (from `own_rows`), one shared key/value row set for all heads (absorbed MLA: the
+    def attend_sparse(self, layer: int, q: Tensor, own: TokenState, selected, scale: float, vdim: int,
+                      rows: Callable[[TokenState], Tensor]) -> Tensor:
+        """DSA: softmax attention of q [B, T, H, D] over the `selected` rows (from `select_topk`) of the layer's
+        prefix and `own` (from `own_rows`), one shared key/value row set for all heads (absorbed MLA: the
         values are the first `vdim` features of the keys). `rows(state)` are a state's key rows: [N, D] for the
         prefix, [B, L, D] for `own`. Returns [B, T, H, vdim]; in exact mode the backward adds into the sink."""
         pre, sink = self.prefix_rows(layer), self.prefix_grad(layer)
+        if self.split is not None or self.spread:
+            lay = self._split_layout(own.tokens, q.device)
+            return split_sparse_attention(q, rows(own), None if pre is None else rows(pre), selected, scale, vdim,
+                                          None if sink is None else rows(sink), lay)
         return sparse_latent_attention(
             q, rows(own), None if pre is None else rows(pre), *selected, scale, vdim,
             None if sink is None else rows(sink), length=self.prefix_length,

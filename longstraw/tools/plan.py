@@ -5,9 +5,10 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
   weights and gradients, fp32 master weights and AdamW moments = 12 bytes per parameter);
 - the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
   holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
-- one prompt chunk's autograd activations (a rank's block of it under the split schedule, the whole chunk for
-  DSA models, whose ranks run every chunk whole), measured on proxies of one and two
-  layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
+- under ZeRO-3, the layer-major prompt backward's checkpoints (engine/prompt_by_layer.py), when they fit a
+  quarter of the GPU as the engine's `prompt_order: auto` requires;
+- one prompt chunk's autograd activations (a rank's block of it: the split schedule), measured on proxies of one
+  and two layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
   (`prompt_graph_budget: 0`).
 
 The engine runs every stage: 0, 1 (`optim.zero_stage: 1`, torch's ZeroRedundancyOptimizer), 2 and 3 (FSDP2,
@@ -22,6 +23,7 @@ import math
 import torch
 
 from ..engine import EngineConfig, activation_bytes_per_token, boundary_interval
+from ..engine.chunks import checkpoint_every
 from ..lora import add_lora, check_lora_targets
 from ..models.registry import build, build_model, config_from_hf
 from .state_size import state_size
@@ -120,11 +122,18 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
     every = boundary_interval(EngineConfig(prompt_chunk=chunk), mine, size["fixed_bytes"], int(budget))
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
-    chunk_act = act * chunk / (c if meta.splits_tokens else 1)  # split schedule: a rank runs its block only
+    chunk_act = act * chunk / c  # a rank runs its block of each chunk only
+    # ZeRO-3's layer-major prompt backward (engine/prompt_by_layer.py), when it fits a quarter of the GPU (its
+    # `auto` rule): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk
+    layers = meta.config.num_hidden_layers
+    k = checkpoint_every(layers)
+    by_layer = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
+        size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
+    by_layer = by_layer if zero == 3 and by_layer <= budget / 4 else 0.0
     branches = max(1, responses // (gpus // c))
     branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
     common = weights + grads + optim + state
-    exact = common + dstate + boundaries + max(chunk_act, branch_act)
+    exact = common + dstate + boundaries + by_layer + max(chunk_act, branch_act)
     detached = common + branch_act  # its capture runs without autograd
     return {
         "model_type": size["model_type"], "parameters": params, "adapter_parameters": adapters, "tokens": tokens,
@@ -132,7 +141,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
         "dp": gpus // c, "zero": zero, "chunk": chunk, "boundary_every": every, "branches_per_group": branches,
         "activation_bytes_per_token": act, "gpu_bytes": budget,
         "per_rank": {"parameters": weights, "gradients": grads, "optimizer": optim, "state shard": state,
-                     "dState shard": dstate, "boundary states": boundaries, "one chunk's activations": chunk_act,
+                     "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
+                     "one chunk's activations": chunk_act,
                      "one branch's activations": branch_act},
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
         "detached_fits": detached <= budget,

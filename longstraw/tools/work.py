@@ -1,5 +1,6 @@
-"""Work of one exact GRPO step per rank, counted from config.json: FLOPs under the split and the replicated
-schedules (parallel/sequence.py), bytes each rank sends, and a time estimate for a GPU FLOP rate and link speed.
+"""Work of one exact GRPO step per rank, counted from config.json: FLOPs under the split schedule
+(parallel/sequence.py) and under one that repeats the token-local work on every rank, bytes each rank sends,
+and a time estimate for a GPU FLOP rate and link speed.
 
 A model of the engine, not a measurement (bench/work_per_rank.py counts the real thing on tiny models):
 - token-local work: 2 FLOPs per active parameter per token (MoE: the routed experts' share), no LM head on the
@@ -10,8 +11,9 @@ A model of the engine, not a measurement (bench/work_per_rank.py counts the real
   with dk more value columns (ops/gated_delta.py: `split_gated_delta_rule`);
 - an exact step with every prompt chunk recomputed: capture (1 forward), prompt backward (forward + backward,
   3), replays (3 per token); boundary regeneration left out.
-Bytes: what one rank sends per step in the split schedule's collectives (ops/split_attention.py), bf16 activations,
-fp32 log-sum-exps and recurrent summaries, plus the parameter gradients' reduction over the group.
+Bytes: what one rank sends per step in the split schedule's collectives (ops/split_attention.py,
+ops/split_sparse_attention.py), bf16 activations, fp32 log-sum-exps, gradients, DSA scores and recurrent
+summaries, int64 positions, plus the parameter gradients' reduction over the group.
 """
 
 from __future__ import annotations
@@ -53,16 +55,16 @@ def _pair_flops(m) -> float:
 
 
 def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int, response_tokens: int,
-              dp: int = 1) -> dict:
-    """FLOPs per rank of one exact step (busiest rank, even split, and the replicated schedule's busiest) and
-    bytes sent per rank, for a sequence-parallel group of `sp` ranks (`dp` groups splitting the branches)."""
+              dp: int = 1, zero: int = 0) -> dict:
+    """FLOPs per rank of one exact step (busiest rank, even split, and the busiest of a schedule that repeats the
+    token-local work on every rank) and bytes sent per rank, for a sequence-parallel group of `sp` ranks (`dp`
+    groups splitting the branches) under ZeRO stage `zero`."""
     with torch.device("meta"):
         model = build(hf_config)
     body, head = _active_parameters(model)
     mixers = [layer.mixer for layer in model.model.layers]
     p, c = float(tokens), sp
     branches = responses / dp
-    splits = all(m.splits_tokens for m in mixers)
     token = 2 * body * p
     attn = gdn = gdn_split = 0.0
     replay = 2 * (body + head) * branches * response_tokens
@@ -78,8 +80,8 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
             continue
         pairs = p * p / 2
         if isinstance(m, MLAttention) and m.index_topk < p:
-            idx = m.indexer
-            attn += 2 * idx.heads * idx.head_dim * pairs  # the indexer scores every pair
+            if (idx := getattr(m, "indexer", None)) is not None:  # layers without one reuse the last selection
+                attn += 2 * idx.heads * idx.head_dim * pairs  # the indexer scores every pair
             pairs = p * m.index_topk
         attn += _pair_flops(m) * pairs
         replay += _pair_flops(m) * branches * response_tokens * min(p, getattr(m, "index_topk", p))
@@ -90,20 +92,47 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
             forward = (c - 1) * blocks * (kv + q + q + 4 * m.heads)
             backward = (c - 1) * blocks * (2 * q + 4 * m.heads + q + kv)
             sent += 2 * forward + backward
-        else:  # MLA, replicated schedule: merges of the latent outputs over the group (all-reduce)
-            sent += 3 * 2 * (c - 1) / c * p * m.heads * m.rank * 4
+        elif m.index_topk >= p:  # MLA, dense: split_chunk_attention over the shared latent head
+            q, kv = m.heads * (m.rank + m.rope_dim) * 2, (m.rank + m.rope_dim) * 2
+            forward = (c - 1) * blocks * (kv + q + m.heads * m.rank * 2 + 4 * m.heads)
+            backward = (c - 1) * blocks * (m.heads * m.rank * 4 + q + 4 * m.heads + q + kv)
+            sent += 2 * forward + backward
+        else:  # MLA + DSA (ops/split_sparse_attention.py): the queries travel to the rows
+            idx, k = getattr(m, "indexer", None), m.index_topk
+            q = m.heads * (m.rank + m.rope_dim)
+            # indexer queries gathered, every rank's candidates to the owners, thresholds gathered (layers with
+            # their own indexer); queries gathered and partial outputs back (forward); (do, lse, delta) gathered
+            # and dq back (backward)
+            select = 0.0 if idx is None else (c - 1) * blocks * (idx.heads * (idx.head_dim + 1) * 4 + 12 * k + 12)
+            forward = select + (c - 1) * blocks * (2 * q + m.heads * (2 * m.rank + 4))
+            backward = (c - 1) * blocks * (m.heads * (2 * m.rank + 8) + 4 * q)
+            sent += 2 * forward + backward
     per_step = 4 * (token + attn + gdn)  # capture + recompute + backward = 4 forward units
     even = (per_step + 3 * replay) / c
-    spread = splits and branches % c == 0
-    if splits:
-        busiest = 4 * (token + attn + gdn_split) / c + 3 * replay / (c if spread else 1)
-    else:
-        busiest = 4 * (token + gdn) + 4 * attn / c + 3 * replay
+    spread = branches % c == 0
+    busiest = 4 * (token + attn + gdn_split) / c + 3 * replay / (c if spread else 1)
     replicated = 4 * (token + gdn) + 4 * attn * (2 * c - 1) / (c * c) + 3 * replay  # contiguous ranges: rank 0
-    grad_bytes = 2 * (c - 1) / c * 4 * sum(t.numel() for t in model.parameters()) if c > 1 else 0.0
+    params = sum(t.numel() for t in model.parameters())
+    grad_bytes = 2 * (c - 1) / c * 4 * params if c > 1 else 0.0
+    gathers = _weight_gathers(zero, tokens, chunk, branches / c if spread else branches)
+    n = c * dp
+    gather_bytes = gathers * (n - 1) / n * 2 * params  # bf16 weights over a ring of all N ranks
     return {"flops_one_rank": per_step + 3 * replay, "flops_even": even, "flops_busiest": busiest,
-            "flops_replicated_busiest": replicated, "balance": busiest / even, "split": splits,
-            "sent_bytes": sent + grad_bytes, "sent_bytes_gradients": grad_bytes}
+            "flops_replicated_busiest": replicated, "balance": busiest / even,
+            "sent_bytes": sent + grad_bytes + gather_bytes, "sent_bytes_gradients": grad_bytes,
+            "sent_bytes_weight_gathers": gather_bytes, "weight_gathers": gathers}
+
+
+def _weight_gathers(zero: int, tokens: int, chunk: int, branches: float) -> float:
+    """Whole-model all-gathers per step under ZeRO `zero` (FSDP: 2 keeps a layer gathered from its forward to its
+    backward, 3 gathers it for each use). ZeRO-3 runs the prompt layer-major (engine/prompt_by_layer.py):
+    capture 1, the prompt backward 3 (a forward to the checkpoints, the groups' recompute, the backward); each
+    branch replayed (branch batch 1) 2. ZeRO-2 runs it chunk by chunk: one gather per chunk and per branch."""
+    if zero < 2:
+        return 0.0
+    if zero == 2:
+        return 1 + math.ceil(tokens / chunk) + branches
+    return 1 + 3 + 2 * branches
 
 
 def step_time(work: dict, tflops: float, link_gbps: float) -> dict:
@@ -119,13 +148,13 @@ def step_time(work: dict, tflops: float, link_gbps: float) -> dict:
 
 def format_work(work: dict, time: dict, tflops: float, link_gbps: float) -> str:
     tf = lambda f: f"{f / 1e15:,.1f} PFLOP"  # noqa: E731
-    schedule = "split" if work["split"] else "replicated (DSA)"
     return "\n".join([
-        f"work of one exact step ({schedule} schedule): busiest rank {tf(work['flops_busiest'])}, an even split "
+        f"work of one exact step (split schedule): busiest rank {tf(work['flops_busiest'])}, an even split "
         f"{tf(work['flops_even'])} ({work['balance']:.2f}x), one rank alone {tf(work['flops_one_rank'])}; "
         f"every rank repeating the token-local work: {tf(work['flops_replicated_busiest'])}",
         f"sent per rank: {work['sent_bytes'] / 1e9:,.1f} GB (of it {work['sent_bytes_gradients'] / 1e9:,.1f} GB "
-        "the gradients' reduction)",
+        f"the gradients' reduction, {work['sent_bytes_weight_gathers'] / 1e9:,.1f} GB ZeRO's "
+        f"{work['weight_gathers']:,.0f} whole-model weight all-gathers)",
         f"time per step at {tflops:g} TFLOP/s and {link_gbps:g} GB/s per GPU: {time['compute_s']:,.0f} s compute + "
         f"{time['communication_s']:,.0f} s communication = {time['step_s'] / 60:,.1f} min without overlap "
         f"(repeating the token-local work: {time['replicated_compute_s'] / 60:,.1f} min of compute)",

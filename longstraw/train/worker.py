@@ -346,8 +346,8 @@ class Worker:
                 "tokens_per_s": tokens / max(m.seconds, 1e-9)}
 
     def prompt(self, weights_version: str, state: dict, step: int, group: int, epoch: int) -> dict:
-        """Exact mode: back-propagate the group's summed dLoss/dState through the prompt, chunk by chunk (every
-        chunk recomputed from the stored boundary states)."""
+        """Exact mode: back-propagate the group's summed dLoss/dState through the prompt, every chunk recomputed
+        (chunk by chunk from the stored boundary states, or layer by layer: `engine.prompt_order`)."""
         self._check_version(weights_version)
         grad = self._dstate.pop((group, epoch), None)
         if grad is None:
@@ -355,7 +355,7 @@ class Worker:
                              "started: run the group's replay tasks first")
         prefix = self._load(state)
         with self._meter() as m:
-            prompt_backward(self.model, prefix, grad, parallel=self.parallel)
+            prompt_backward(self.model, prefix, grad, parallel=self.parallel, order=self.cfg.engine.prompt_order)
         return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
 

@@ -85,11 +85,12 @@ def test_tiny_run_counts_add_up(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="bytes sent are read from /proc/self/io")
 def test_split_schedule_balances_the_work(tmp_path):
     """Issue 23's bar, counted (so not noisy): under the split schedule the busiest rank does at most 1.15 x an
-    even split of the one-rank step, for dense and Qwen3.5 at N = 2 and 4, and the gradient is the one-rank one."""
+    even split of the one-rank step, for dense, Qwen3.5 and GLM-5 at N = 2 and 4, and the gradient is the one-rank
+    one."""
     out = tmp_path / "wpr.json"
     cmd = [sys.executable, str(ROOT / "bench" / "work_per_rank.py"), "--P", "1024", "--chunk", "256", "--G", "4",
-           "--R", "16", "--ranks", "1", "2", "4", "--archs", "dense", "qwen3_5", "--collective-timeout", "120",
-           "--timeout", "300", "--json", str(out)]
+           "--R", "16", "--ranks", "1", "2", "4", "--archs", "dense", "qwen3_5", "glm_moe_dsa",
+           "--collective-timeout", "120", "--timeout", "300", "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for arch, family in json.loads(out.read_text())["families"].items():

@@ -13,7 +13,7 @@ import torch
 import longstraw as ls
 from longstraw.engine import activation_bytes_per_token
 from longstraw.grpo import token_weights
-from tests.conftest import flat_grad, rel_err, tiny_model
+from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 
 G_LENGTHS = (5, 1, 9, 4)
 ADV = [1.0, -0.5, 0.7, -1.2]
@@ -68,6 +68,42 @@ def test_graph_budget_and_branch_batch_keep_gradient(model_type, budget, branch_
     g_naive, _ = grad_of(model, "naive", prompt, responses)
     g_exact, _ = grad_of(model, "exact", prompt, responses, engine=cfg)
     assert rel_err(g_exact, g_naive) <= 1e-10
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
+@pytest.mark.parametrize("budget", ["zero", "partial"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_layer_major_prompt_backward_keeps_gradient(model_type, budget, lora):
+    """prompt_order 'layers' (each layer over every chunk, from checkpoints of every k-th layer's inputs), alone
+    or after the chunks whose graphs capture kept: naive's gradient, adapters included."""
+    if model_type == "glm_moe_dsa":
+        torch.manual_seed(0)
+        model = ls.build_model(GLM, dtype=torch.float64)
+    else:
+        model = tiny_model(model_type, dtype=torch.float64)
+    if lora:
+        torch.manual_seed(1)
+        ls.add_lora(model, r=4, target_modules=["o_proj", "down_proj"])
+        for name, p in model.named_parameters():  # PEFT starts B at zero: give every adapter a gradient path
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+    prompt, responses = group(prompt_len=50)
+    per_chunk = 7 * activation_bytes_per_token(model)
+    cfg = ls.EngineConfig(prompt_chunk=7, prompt_order="layers",
+                          prompt_graph_budget={"zero": 0, "partial": 3 * per_chunk}[budget])
+    g_naive, _ = grad_of(model, "naive", prompt, responses)
+    g_exact, _ = grad_of(model, "exact", prompt, responses, engine=cfg)
+    assert rel_err(g_exact, g_naive) <= 1e-10
+
+
+def test_layer_major_order_refuses_shared_dsa_selection():
+    model = ls.build_model({**GLM, "indexer_types": ["full", "shared", "full", "shared"]}, dtype=torch.float64)
+    prompt, responses = group()
+    with pytest.raises(ValueError, match="prompt_order 'chunks' or 'auto'"):
+        grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=7, prompt_order="layers"))
+    g_naive, _ = grad_of(model, "naive", prompt, responses)
+    g_auto, _ = grad_of(model, "exact", prompt, responses, engine=ls.EngineConfig(prompt_chunk=7))
+    assert rel_err(g_auto, g_naive) <= 1e-10
 
 
 @pytest.mark.parametrize("every", [2, 3, 100])

@@ -289,7 +289,8 @@ def test_sampled_tokens_are_agreed_inside_the_group():
         assert [r[f"tokens.{i}"].tolist() for i in range(3)] == [s.tokens.tolist() for s in want]
 
 
-LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj", "down_proj"]
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj", "down_proj", "q_a_proj",
+                "kv_a_proj_with_mqa"]
 
 
 def lora_model(arch: str) -> torch.nn.Module:
@@ -315,7 +316,7 @@ def lora_rank(rank: int, world: int, arch: str, zero: int) -> dict[str, torch.Te
 
 
 @pytest.mark.parametrize("world,zero", [(2, 0), (3, 0), (2, 3)])
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_lora_exact_gradient_split_over_ranks_equals_naive(arch, world, zero):
     """LoRA under the split schedule (frozen base weights, adapters' gradients summed over the group), with the
     adapters sharded by FSDP too (ZeRO-3): the adapters' one-process naive gradient."""

@@ -16,9 +16,9 @@ import longstraw as ls
 from longstraw.parallel import SequenceParallel, full_tensor, local_shard, shard_model
 from longstraw.train.config import OptimConfig
 from longstraw.train.optim import build_optimizer, optimizer_step
-from tests.conftest import GLM, rel_err, tiny_model
+from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 from tests.parallel.launch import run_ranks
-from tests.parallel.test_sequence_parallel import ADV, CHUNK, group
+from tests.parallel.test_sequence_parallel import ADV, CHUNK, PROMPTS, group, layout
 
 ADV4 = ADV + [0.4]
 OPTIM = dict(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
@@ -145,3 +145,93 @@ def test_zero_stage_and_model_must_agree(case, message):
 
     for r in run_ranks(2, bad_stage_rank, case, timeout=60):
         assert re.search(message, bytes(r["error"].tolist()).decode())
+
+
+def layer_major_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
+    """ZeRO-3 exact capture with no kept graphs: its state rows and boundary states, and FSDP's all-gathers."""
+    sp = SequenceParallel()
+    m = shard_model(_build(arch, torch.float64), 3, sp)
+    prompt, _ = group(arch)
+    calls = []
+    plain = torch.distributed.all_gather_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    torch.distributed.all_gather_single = counted  # what FSDP2 gathers parameters with
+    try:
+        state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=1),
+                           parallel=sp, exact=True)
+    finally:
+        torch.distributed.all_gather_single = plain
+    out = {f"state.{i}.{j}": t for i, layer in enumerate(state.layers) for j, t in enumerate(layer.tensors())}
+    out |= {f"boundary.{c}.{i}.{j}": t for c, b in state.boundaries.items() for i, s in b.items()
+            for j, t in enumerate(s.tensors())}
+    return out | {"gathers": torch.tensor(len(calls)), "chunks": torch.tensor(len(state.chunks))}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "glm_moe_dsa"])
+def test_zero3_capture_gathers_each_layer_once(arch):
+    """Under ZeRO-3 capture runs layer-major: one all-gather per layer (and one for the root), not one per layer
+    per chunk, and the state and boundary states are one process's (chunk by chunk, unsharded)."""
+    m = _build(arch, torch.float64)
+    prompt, _ = group(arch)
+    want = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=1),
+                      exact=True)
+    world = 2
+    ranks = run_ranks(world, layer_major_rank, arch, timeout=150)
+    _, positions = layout(PROMPTS[arch] - 1, world)
+    layers = m.config.num_hidden_layers
+    for rank, (r, pos) in enumerate(zip(ranks, positions)):
+        assert int(r["chunks"]) > 4 and int(r["gathers"]) == layers + 1, int(r["gathers"])
+        for i, layer in enumerate(want.layers):
+            for j, whole in enumerate(layer.tensors()):
+                mine = whole if layer.token_axis is None else whole.index_select(-2, pos)
+                assert torch.allclose(r[f"state.{i}.{j}"], mine, rtol=1e-10, atol=1e-12), (i, j)
+        kept = {c for c in want.boundaries if c % world == rank}  # every chunk's, kept by the ranks in turn
+        assert {int(k.split(".")[1]) for k in r if k.startswith("boundary.")} == {c for c in kept if want.boundaries[c]}
+        for c in kept:
+            for i, s in want.boundaries[c].items():
+                for j, t in enumerate(s.tensors()):
+                    assert torch.allclose(r[f"boundary.{c}.{i}.{j}"], t, rtol=1e-10, atol=1e-12), (c, i, j)
+
+
+def zero3_step_rank(rank: int, world: int, arch: str, chunk: int) -> dict[str, torch.Tensor]:
+    """One exact ZeRO-3 step with every prompt chunk recomputed (layer-major by default): the gradient and the
+    number of FSDP's all-gathers."""
+    sp = SequenceParallel()
+    m = shard_model(_build(arch, torch.float64), 3, sp)
+    prompt, responses = group(arch)
+    calls = []
+    plain = torch.distributed.all_gather_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    torch.distributed.all_gather_single = counted
+    try:
+        ls.grpo_backward(m, prompt, responses, ADV, mode="exact", parallel=sp,
+                         engine=ls.EngineConfig(prompt_chunk=chunk, prompt_graph_budget=0))
+    finally:
+        torch.distributed.all_gather_single = plain
+    grads = [full_tensor(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype) for p in m.parameters()]
+    return {"grad": torch.cat([g.flatten() for g in grads]), "gathers": torch.tensor(len(calls))}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "glm_moe_dsa"])
+def test_zero3_exact_step_gathers_do_not_grow_with_chunks(arch):
+    """Under ZeRO-3 capture and the prompt backward run layer-major: halving the chunk (twice the chunks) leaves
+    the number of weight all-gathers of a step unchanged, and the gradient is naive's on one process."""
+    m = _build(arch, torch.float64)
+    prompt, responses = group(arch)
+    ls.grpo_backward(m, prompt, responses, ADV, mode="naive")
+    want = flat_grad(m)
+    gathers = {}
+    for chunk in (CHUNK, 2 * CHUNK):
+        ranks = run_ranks(2, zero3_step_rank, arch, chunk, timeout=150)
+        for r in ranks:
+            assert rel_err(r["grad"], want) <= 1e-10
+        gathers[chunk] = int(ranks[0]["gathers"])
+    assert gathers[CHUNK] == gathers[2 * CHUNK], gathers

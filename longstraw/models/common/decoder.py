@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import nn
 
@@ -69,11 +72,6 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def splits_tokens(self) -> bool:
-        """Whether every layer's mixer supports the split schedule (see `TokenMixer.splits_tokens`)."""
-        return all(layer.mixer.splits_tokens for layer in self.model.layers)
-
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> list[LayerState]:
         return [layer.mixer.empty_state(tokens, dtype, device) for layer in self.model.layers]
 
@@ -82,6 +80,21 @@ class CausalLM(nn.Module):
         """Per-branch buffers for decoding `tokens` tokens, for the layers whose state grows with tokens."""
         states = self.empty_state(tokens, dtype, device)
         return {i: buf for i, s in enumerate(states) if (buf := s.decode_buffer(rows)) is not None}
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    @property
+    def layers_stand_alone(self) -> bool:
+        """Whether each layer reads only its own state (no DSA layer reuses another layer's selection), so that
+        the layers may run over the chunks one layer at a time."""
+        return not any(layer.mixer.reads_other_layers for layer in self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor, seg: Segment):
+        """The embeddings [B, T, hidden] of positions seg.start.. and their rotary (cos, sin). (An entry point of
+        its own, which FSDP gathers the root unit for; the model's other methods call `_start`.)"""
+        return self._start(input_ids, seg)
 
     def _start(self, input_ids: torch.Tensor, seg: Segment):
         x = self.model.embed_tokens(input_ids)
@@ -102,3 +115,21 @@ class CausalLM(nn.Module):
         for layer in layers:
             x, _ = layer.capture(x, rope, seg)
         last.emit_state(x, rope, seg)
+
+    def emit_states_by_layer(self, chunks: list[tuple[torch.Tensor, Segment]], stored: Callable[[int, int], None],
+                             hold: Callable[[nn.Module], AbstractContextManager] = lambda _: nullcontext()) -> None:
+        """Prompt capture in layer-major order: each layer runs over every chunk (input ids [1, t] and its segment,
+        in order) before the next layer starts, inside `hold(layer)` (ZeRO-3: the layer's weights gathered once,
+        not once per chunk). `stored(layer, chunk)` is called after each, to add what the layer emitted for the
+        chunk to the state before the next chunk reads it. Holds every chunk's hidden states meanwhile."""
+        starts = [self._start(ids, seg) for ids, seg in chunks]
+        xs, ropes = [x for x, _ in starts], [rope for _, rope in starts]
+        last = len(self.model.layers) - 1
+        for j, layer in enumerate(self.model.layers):
+            with hold(layer):
+                for i, (_, seg) in enumerate(chunks):
+                    if j < last:
+                        xs[i], _ = layer.capture(xs[i], ropes[i], seg)
+                    else:
+                        layer.emit_state(xs[i], ropes[i], seg)
+                    stored(j, i)

@@ -11,13 +11,14 @@ from ...state import LayerState, Segment
 
 
 class TokenMixer(nn.Module, ABC):
-    """Mixes tokens over the prefix state and the segment. `layer_idx` keys its entry in a `Segment`."""
+    """Mixes tokens over the prefix state and the segment. `layer_idx` keys its entry in a `Segment`.
+
+    A mixer reaches other tokens only through its segment (`attend`, `conv_tail`, `delta_rule`, `select_topk`,
+    `attend_sparse`), so the ranks of a group can each run only their block of a prompt chunk through it (the
+    split schedule, parallel/sequence.py)."""
 
     layer_idx: int
-    # whether the ranks of a group can each run only their block of a prompt chunk through it (the split schedule,
-    # parallel/sequence.py): it reaches other tokens only through its segment's `attend`, `conv_tail` and
-    # `delta_rule`
-    splits_tokens: bool = True
+    reads_other_layers: bool = False  # a DSA layer that reuses an earlier layer's selection (in its segment)
 
     @abstractmethod
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:

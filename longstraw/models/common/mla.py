@@ -44,6 +44,10 @@ def _latent_rows(s: LatentState) -> torch.Tensor:
     return s.kv
 
 
+def _index_keys(s: LatentState) -> torch.Tensor:
+    return s.index_k
+
+
 class Indexer(nn.Module):
     """DSA lightning indexer (names as transformers): per-token key, per-head queries from the q LoRA residual."""
 
@@ -74,8 +78,6 @@ class Indexer(nn.Module):
 
 
 class MLAttention(TokenMixer):
-    splits_tokens = False  # its DSA top-k and sparse attention read the whole chunk on every rank (for now)
-
     def __init__(self, layer_idx: int, cfg, has_indexer: bool) -> None:
         super().__init__()
         self.layer_idx, self.heads = layer_idx, cfg.num_attention_heads
@@ -90,6 +92,11 @@ class MLAttention(TokenMixer):
         self.kv_a_layernorm = RMSNorm(self.rank)
         self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.reads_other_layers = not has_indexer
+        # whether the next layer reuses this layer's selection: only then does it stay in the segment (a capture
+        # in layer-major order holds one segment per chunk)
+        types = cfg.indexer_types
+        self.passes_selection_on = layer_idx + 1 < len(types) and types[layer_idx + 1] == "shared"
         if has_indexer:
             self.indexer = Indexer(h, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, self.rope_dim)
 
@@ -117,15 +124,15 @@ class MLAttention(TokenMixer):
         """Top-k positions per query over the prefix and `own` (the segment's own rows; None: every visible
         position fits in index_topk)."""
         if not hasattr(self, "indexer"):
-            return seg.dsa_topk  # a "shared" layer reuses the last full indexer's selection
+            sel = seg.dsa_topk  # a "shared" layer reuses the last full indexer's selection
+            seg.dsa_topk = sel if self.passes_selection_on else None
+            return sel
         sel = None
-        if self.index_topk < seg.prefix_length + own.tokens:
+        if self.index_topk < seg.visible_positions(own.tokens):
             with torch.no_grad():
-                qw = self.indexer.queries(x, q_resid, rope)
-                sel = seg.select_topk(self.layer_idx, self.index_topk,
-                                      lambda rows: self.indexer.scores(qw, rows.index_k),
-                                      self.indexer.scores(qw, own.index_k))
-        seg.dsa_topk = sel
+                sel = seg.select_topk(self.layer_idx, self.index_topk, self.indexer.queries(x, q_resid, rope),
+                                      self.indexer.scores, _index_keys, own)
+        seg.dsa_topk = sel if self.passes_selection_on else None
         return sel
 
     def forward(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
