@@ -8,6 +8,7 @@ The parent prints one row per N with the ratio against N = 1 and checks that the
     .venv/bin/python bench/dist_step.py                       # N in {1, 2, 4}, P = 16384, G = 8, tiny dense model
     .venv/bin/python bench/dist_step.py --N 1 2 --P 4096 --arch qwen3_5
     .venv/bin/python bench/dist_step.py --N 1 2 4 --zero 0 3   # also with the parameters sharded (FSDP2, ZeRO-3)
+    .venv/bin/python bench/dist_step.py --N 1 2 --zero 3 --order chunks layers   # ZeRO-3: the prompt's two orders
 
 On CPU every rank is one process with `--threads` threads: with more ranks x threads than cores, the ranks
 share cores and wall time says little; the state bytes per rank and the traffic do not depend on that.
@@ -51,33 +52,44 @@ def worker(args: argparse.Namespace) -> None:
     prompt = torch.randint(0, vocab, (args.P,), generator=gen)
     responses = [torch.randint(0, vocab, (args.R,), generator=gen) for _ in range(args.G)]
     adv = ls.group_advantages(torch.rand(args.G, generator=gen, dtype=torch.float64))
-    cfg = ls.EngineConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0)
+    cfg = ls.EngineConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0, prompt_order=args.order[0])
     ls.grpo_backward(model, prompt[:256], responses[:2], adv[:2] - adv[:2].mean(), engine=cfg, parallel=sp)
     model.zero_grad(set_to_none=True)
     release_freed()
     sp.bytes_communicated = 0
+    gathered = [0, 0]  # FSDP's weight all-gathers: calls, bytes received
+    plain = dist.all_gather_single
+
+    def counted(output, inp, *a, **kw):
+        gathered[0] += 1
+        gathered[1] += output.nelement() * output.element_size() - inp.nelement() * inp.element_size()
+        return plain(output, inp, *a, **kw)
+
+    dist.all_gather_single = counted  # what FSDP2 gathers parameters with
     dist.barrier()
     before = current_bytes()
     reset_peak()
     t0 = time.perf_counter()
     stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", engine=cfg, parallel=sp)
     wall = time.perf_counter() - t0
-    grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters()])
+    # (parameters no loss reaches, such as DSA's indexer, have none)
+    grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters() if p.grad is not None])
     out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,
            "state_bytes": stats["state_bytes"], "peak_state_bytes": stats["peak_state_bytes"],
            "bytes_communicated": sp.bytes_communicated, "param_bytes": param_bytes, "grad_norm": float(grad.norm()),
+           "weight_gathers": gathered[0], "weight_gather_bytes": gathered[1],
            "grad_head": grad[:2048].tolist()}
     Path(args.out_dir, f"rank-{sp.rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
     os._exit(0)
 
 
-def run(n: int, zero: int, args: argparse.Namespace) -> list[dict]:
+def run(n: int, zero: int, order: str, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                os.path.abspath(__file__), "--worker", "--out-dir", d, "--P", str(args.P), "--G", str(args.G),
                "--R", str(args.R), "--arch", args.arch, "--threads", str(args.threads),
-               "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero)]
+               "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero), "--order", order]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(__file__).parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         files = sorted(Path(d).glob("rank-*.json"))
@@ -97,6 +109,8 @@ def main() -> None:
     ap.add_argument("--prompt-chunk", type=int, default=2048)
     ap.add_argument("--zero", type=int, nargs="+", default=[0], choices=(0, 2, 3),
                     help="ZeRO stages to run at N > 1 (2, 3: FSDP2 shards parameters and gradients)")
+    ap.add_argument("--order", nargs="+", default=["auto"], choices=("auto", "chunks", "layers"),
+                    help="EngineConfig.prompt_order values to run at N > 1 (auto: layers under ZeRO-3)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/out/dist_step.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -109,31 +123,35 @@ def main() -> None:
     import math
 
     rows, base = [], None
-    head = (f"{'N':>3} {'ZeRO':>4} {'wall s':>8} {'vs N=1':>7} {'params MiB/rank':>15} {'state MiB/rank':>15} "
+    head = (f"{'N':>3} {'ZeRO':>4} {'order':>6} {'wall s':>8} {'vs N=1':>7} {'params MiB/rank':>15} {'state MiB/rank':>15} "
             f"{'state+dState MiB/rank':>22} {'peak MiB/rank (max)':>20} {'SP comm MiB/rank':>17} "
-            f"{'grad rel err vs N=1':>20}")
+            f"{'weight gathers (MiB)':>21} {'grad rel err vs N=1':>20}")
     print(head + "\n" + "-" * len(head), flush=True)
-    for n, zero in [(n, z) for n in args.N for z in (args.zero if n > 1 else [0])]:
-        ranks = run(n, zero, args)
+    runs = [(n, z, o) for n in args.N for z in (args.zero if n > 1 else [0])
+            for o in (args.order if n > 1 else ["auto"])]
+    for n, zero, order in runs:
+        ranks = run(n, zero, order, args)
         wall = max(r["seconds"] for r in ranks)
         if base is None:
             base = {**ranks[0], "wall": wall}
         err = math.sqrt(sum((a - b) ** 2 for a, b in zip(ranks[0]["grad_head"], base["grad_head"])))
         err /= math.sqrt(sum(b * b for b in base["grad_head"])) or 1.0
-        row = {"N": n, "zero": zero, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
+        row = {"N": n, "zero": zero, "order": order, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
                "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
                "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
                "peak_state_bytes_per_rank": [r["peak_state_bytes"] for r in ranks],
                "peak_delta_bytes_per_rank": [r["peak_delta_bytes"] for r in ranks],
                "bytes_communicated_per_rank": [r["bytes_communicated"] for r in ranks],
+               "weight_gathers": ranks[0]["weight_gathers"], "weight_gather_bytes": ranks[0]["weight_gather_bytes"],
                "grad_rel_err_vs_1_first_2048": err}
         rows.append(row)
-        print(f"{n:>3} {zero:>4} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['param_bytes_per_rank']) / MIB:>15.2f} "
+        gathers = f"{row['weight_gathers']} ({row['weight_gather_bytes'] / MIB:.1f})"
+        print(f"{n:>3} {zero:>4} {order:>6} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['param_bytes_per_rank']) / MIB:>15.2f} "
               f"{max(row['state_bytes_per_rank']) / MIB:>15.2f} {max(row['peak_state_bytes_per_rank']) / MIB:>22.2f} "
               f"{max(row['peak_delta_bytes_per_rank']) / MIB:>20.1f} {max(row['bytes_communicated_per_rank']) / MIB:>17.1f} "
-              f"{err:>20.2e}", flush=True)
+              f"{gathers:>21} {err:>20.2e}", flush=True)
     print("SP comm: the payload handed to the sequence-parallel collectives (FSDP's all-gathers and "
-          "reduce-scatters come on top)")
+          "reduce-scatters come on top); weight gathers: FSDP's all-gathers of one step (rank 0), and MiB received")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(f"results: {args.out}")

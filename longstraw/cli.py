@@ -70,7 +70,7 @@ def _plan(args: argparse.Namespace) -> int:
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], args.chunk, args.responses, args.response_tokens, dp=r["dp"],
-                     zero=args.zero)
+                     zero=args.zero, by_layer=r["prompt_order"] == "layers")
     time = step_time(work, args.tflops, args.link_gbps)
     print(format_plan(r, *fits))
     print(format_work(work, time, args.tflops, args.link_gbps))

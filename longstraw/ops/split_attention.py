@@ -23,27 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.sequence import SequenceGroup
+from ..parallel.sequence import SequenceGroup, pad_to
 from .attention import _acc, _fold, _forward, _unfold, merge_parts, part_backward
 
 Tensor = torch.Tensor
 
 
-def _pad(t: Tensor, length: int, dim: int = 2) -> Tensor:
-    pad = length - t.shape[dim]
-    if not pad:
-        return t.contiguous()
-    shape = list(t.shape)
-    shape[dim] = pad
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
-def _gather_padded(group: SequenceGroup, t: Tensor, length: int) -> Tensor:
-    """Every rank's `t` (tokens on dim 2, padded to `length`), stacked on dim 0 in rank order: [C, ...]."""
-    return torch.cat(group.gather(_pad(t, length)), dim=0)
-
-
-def _merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
+def merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Partial results of the ranks (over disjoint key sets) merged; -inf where no rank saw a key."""
     total = torch.logsumexp(torch.stack(lse), dim=0)
     safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
@@ -52,7 +38,7 @@ def _merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
     return out.to(o[0].dtype), total
 
 
-def _per_rank(x: Tensor, c: int) -> list[Tensor]:
+def per_rank(x: Tensor, c: int) -> list[Tensor]:
     """[C * B, ...] -> C parts of [B, ...], one per rank."""
     return list(x.unflatten(0, (c, -1)).unbind(0))
 
@@ -74,7 +60,7 @@ class _SplitChunkAttention(torch.autograd.Function):
             o_e, l_e, aux_early = _forward(q, ke, ve, False, scale, kernel)
             o, lse = merge_parts(o_e, l_e, o, lse)
         # the prefix rows of earlier chunks: every block's queries over this rank's rows, results to their owners
-        q_all = _gather_padded(group, q, longest)
+        q_all = group.gather_padded(q, longest, dim=2)
         aux_pre = None
         if prefix_k.shape[1]:
             o_p, l_p, aux_pre = _forward(_fold(q_all, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
@@ -82,7 +68,7 @@ class _SplitChunkAttention(torch.autograd.Function):
         else:
             o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-        o_p, l_p = _merge_ranks(group.exchange(_per_rank(o_p, c)), group.exchange(_per_rank(l_p, c)))
+        o_p, l_p = merge_ranks(group.exchange(per_rank(o_p, c)), group.exchange(per_rank(l_p, c)))
         o, lse = merge_parts(o_p[:, :, :t], l_p[:, :, :t], o, lse)
         ctx.save_for_backward(q, k, v, o, lse, q_all)
         ctx.early = (ke, ve)  # gathered here, not inputs: kept as attributes
@@ -110,7 +96,7 @@ class _SplitChunkAttention(torch.autograd.Function):
                 dq = dq + dq_e
                 d_early = dke + dve if ctx.shared else torch.cat([dke, dve], dim=-1)
                 for r, part in zip(ctx.earlier, d_early.split([sizes[r] for r in ctx.earlier], dim=2)):
-                    back[r] = _pad(part, longest)
+                    back[r] = pad_to(part, longest, dim=2)
             mine = sum(group.exchange(back)).narrow(2, 0, t)
             if ctx.shared:
                 dk = dk + dv + mine
@@ -118,9 +104,9 @@ class _SplitChunkAttention(torch.autograd.Function):
             else:
                 dk, dv = dk + mine[..., : k.shape[-1]], dv + mine[..., k.shape[-1] :]
         # prefix rows: every block's (do, o, lse) meets this rank's rows; dq shares go back to the blocks' owners
-        do_all = _gather_padded(group, do, longest)
-        o_all = _gather_padded(group, o, longest)
-        lse_all = torch.cat(group.gather(_pad(lse, longest)), dim=0)
+        do_all = group.gather_padded(do, longest, dim=2)
+        o_all = group.gather_padded(o, longest, dim=2)
+        lse_all = group.gather_padded(lse, longest, dim=2)
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
             dq_p, dpk, dpv = part_backward(f(do_all), f(q_all), pk[None], pv[None], f(o_all), f(lse_all), False,
@@ -131,7 +117,7 @@ class _SplitChunkAttention(torch.autograd.Function):
             dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)
-        dq = dq + sum(group.exchange(_per_rank(dq_p, c))).narrow(2, 0, t)
+        dq = dq + sum(group.exchange(per_rank(dq_p, c))).narrow(2, 0, t)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..parallel.sequence import SequenceGroup
 from .sparse_attention import NEG, QUERY_BLOCK, _local_rows, _partial, topk_candidates
-from .split_attention import _merge_ranks
+from .split_attention import merge_ranks, per_rank
 
 Tensor = torch.Tensor
 
@@ -61,9 +61,7 @@ class SplitSelection:
 
 def _gather_queries(t: Tensor, lay: SplitLayout) -> Tensor:
     """Every rank's [B, T_r, ...] (tokens on dim 1), padded to the longest: [C * B, L, ...] in rank order."""
-    parts = lay.group.gather_blocks(t, lay.sizes, dim=1)
-    pad = [torch.cat([p, p.new_zeros(p.shape[0], lay.longest - p.shape[1], *p.shape[2:])], 1) for p in parts]
-    return torch.cat(pad, dim=0)
+    return lay.group.gather_padded(t, lay.longest, dim=1)
 
 
 def _query_positions(lay: SplitLayout, batch: int, device: torch.device) -> Tensor:
@@ -97,8 +95,8 @@ def split_select_topk(queries: tuple[Tensor, ...], score, prefix_keys: Tensor | 
         vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], fill), NEG)], -1)
         pos = torch.cat([pos, pos.new_zeros((*pos.shape[:-1], fill))], -1)
     # the owners merge the candidates for their queries into the k-th best (score, position)
-    got_v = torch.cat(group.exchange(list(vals.unflatten(0, (c, b)).unbind(0))), -1)
-    got_p = torch.cat(group.exchange(list(pos.unflatten(0, (c, b)).unbind(0))), -1)
+    got_v = torch.cat(group.exchange(per_rank(vals, c)), -1)
+    got_p = torch.cat(group.exchange(per_rank(pos, c)), -1)
     by_pos = got_p.argsort(dim=-1, stable=True)
     got_v, got_p = got_v.gather(-1, by_pos), got_p.gather(-1, by_pos)
     kth = torch.sort(got_v, dim=-1, descending=True, stable=True).indices[..., k - 1: k]
@@ -140,7 +138,7 @@ def _compact(sel: SplitSelection, sl: slice) -> tuple[Tensor, Tensor] | None:
 class _SplitSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, own, prefix, sel, scale, vdim, sink, lay):
-        c, b, t = lay.group.size, q.shape[0], q.shape[1]
+        c, t = lay.group.size, q.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         q_all = _gather_queries(q, lay)
         o_p = q_all.new_zeros(*q_all.shape[:-1], vdim, dtype=acc)
@@ -153,9 +151,8 @@ class _SplitSparseAttention(torch.autograd.Function):
             keys = _held_keys(prefix, own, pos, lay)[0].to(acc)
             s = torch.einsum("bthd,btkd->bthk", q_all[:, sl].to(acc), keys) * scale
             o_p[:, sl], l_p[:, sl] = _partial(s, keep[:, :, None, :], keys[..., :vdim])
-        per_rank = lambda x: list(x.unflatten(0, (c, b)).unbind(0))  # noqa: E731
         # the partial outputs travel in the model's dtype, their log-sum-exps in fp32 (as split_attention.py's)
-        out, lse = _merge_ranks(lay.group.exchange(per_rank(o_p.to(q.dtype))), lay.group.exchange(per_rank(l_p)))
+        out, lse = merge_ranks(lay.group.exchange(per_rank(o_p.to(q.dtype), c)), lay.group.exchange(per_rank(l_p, c)))
         out, lse = out[:, :t], lse[:, :t]
         ctx.save_for_backward(q, own, q_all, out, lse)
         ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay = prefix, sel, sink, scale, vdim, lay
@@ -165,7 +162,7 @@ class _SplitSparseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, own, q_all, out, lse = ctx.saved_tensors
         prefix, sel, sink, scale, vdim, lay = ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay
-        c, b, t = lay.group.size, q.shape[0], q.shape[1]
+        c, t = lay.group.size, q.shape[1]
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         do_all = _gather_queries(dout, lay).to(acc)
@@ -192,7 +189,7 @@ class _SplitSparseAttention(torch.autograd.Function):
             if sink is not None and local is not None:
                 pre_hit = (keep & in_prefix)[..., None]
                 sink.index_put_((local,), torch.where(pre_hit, dkeys, 0).to(sink.dtype), accumulate=True)
-        dq = sum(lay.group.exchange(list(dq_all.unflatten(0, (c, b)).unbind(0))))[:, :t]
+        dq = sum(lay.group.exchange(per_rank(dq_all, c)))[:, :t]
         return dq.to(q.dtype), down.to(own.dtype), None, None, None, None, None, None
 
 

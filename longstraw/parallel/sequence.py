@@ -41,6 +41,16 @@ def balanced_ranges(length: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
+def pad_to(t: Tensor, length: int, dim: int) -> Tensor:
+    """`t` padded with zeros to `length` along `dim` (contiguous: collectives move raw storage)."""
+    pad = length - t.shape[dim]
+    if not pad:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def _in_place(t: Tensor, collective) -> Tensor:
     """Run `collective` on `t` in place; collectives move raw storage, so a strided view goes through a copy."""
     if t.is_contiguous():
@@ -114,6 +124,11 @@ class SequenceGroup:
         """All-to-all: `parts[r]` goes to rank r; returns what each rank sent this one, in rank order (every
         part of one shape on every rank)."""
         return parts
+
+    def gather_padded(self, t: Tensor, length: int, dim: int) -> Tensor:
+        """Every rank's `t` padded to `length` along `dim`, concatenated on dim 0 in rank order ([C * B, ...]
+        for t [B, ...]; no autograd)."""
+        return torch.cat(self.gather(pad_to(t, length, dim)), dim=0)
 
     def dp_sum_(self, t: Tensor) -> Tensor:
         """In place: the sum of `t` over the data-parallel groups."""
@@ -221,13 +236,7 @@ class SequenceParallel(SequenceGroup):
         return rows
 
     def gather_blocks(self, t: Tensor, sizes: list[int], dim: int, autograd: bool = False) -> list[Tensor]:
-        longest = max(sizes)
-        pad = longest - t.shape[dim]
-        if pad:
-            shape = list(t.shape)
-            shape[dim] = pad
-            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
-        t = t.contiguous()
+        t = pad_to(t, max(sizes), dim)
         self.bytes_communicated += t.nelement() * t.element_size()
         if autograd:
             whole = fc.all_gather_single_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)

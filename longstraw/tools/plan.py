@@ -127,9 +127,9 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     # `auto` rule): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk
     layers = meta.config.num_hidden_layers
     k = checkpoint_every(layers)
-    by_layer = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
+    checkpoints = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
         size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
-    by_layer = by_layer if zero == 3 and by_layer <= budget / 4 else 0.0
+    by_layer = checkpoints if zero == 3 and checkpoints <= budget / 4 else 0.0
     branches = max(1, responses // (gpus // c))
     branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
     common = weights + grads + optim + state
@@ -144,6 +144,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
                      "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
                      "one chunk's activations": chunk_act,
                      "one branch's activations": branch_act},
+        "prompt_order": "layers" if by_layer else "chunks", "layer_major_bytes": checkpoints,
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
         "detached_fits": detached <= budget,
     }
@@ -179,4 +180,8 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     if r["boundary_every"] > 1:
         lines.append(f"boundary states: those of 1 in {r['boundary_every']} chunks kept, the others regenerated "
                      "(one more no-grad prompt forward)")
+    if r["zero"] == 3:
+        lines.append(f"prompt order: {r['prompt_order']} (layer by layer each layer is gathered once per pass, for "
+                     f"{r['layer_major_bytes'] / 1e9:,.2f} GB of checkpoints; auto takes it when they fit a quarter "
+                     "of the GPU)")
     return "\n".join(lines)

@@ -55,10 +55,11 @@ def _pair_flops(m) -> float:
 
 
 def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int, response_tokens: int,
-              dp: int = 1, zero: int = 0) -> dict:
+              dp: int = 1, zero: int = 0, by_layer: bool = True) -> dict:
     """FLOPs per rank of one exact step (busiest rank, even split, and the busiest of a schedule that repeats the
     token-local work on every rank) and bytes sent per rank, for a sequence-parallel group of `sp` ranks (`dp`
-    groups splitting the branches) under ZeRO stage `zero`."""
+    groups splitting the branches) under ZeRO stage `zero`, the prompt walked layer by layer or not (`by_layer`,
+    ZeRO-3's choice when its checkpoints fit: `plan`'s "prompt_order")."""
     with torch.device("meta"):
         model = build(hf_config)
     body, head = _active_parameters(model)
@@ -114,7 +115,7 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
     replicated = 4 * (token + gdn) + 4 * attn * (2 * c - 1) / (c * c) + 3 * replay  # contiguous ranges: rank 0
     params = sum(t.numel() for t in model.parameters())
     grad_bytes = 2 * (c - 1) / c * 4 * params if c > 1 else 0.0
-    gathers = _weight_gathers(zero, tokens, chunk, branches / c if spread else branches)
+    gathers = _weight_gathers(zero, tokens, chunk, branches / c if spread else branches, by_layer)
     n = c * dp
     gather_bytes = gathers * (n - 1) / n * 2 * params  # bf16 weights over a ring of all N ranks
     return {"flops_one_rank": per_step + 3 * replay, "flops_even": even, "flops_busiest": busiest,
@@ -123,16 +124,18 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
             "sent_bytes_weight_gathers": gather_bytes, "weight_gathers": gathers}
 
 
-def _weight_gathers(zero: int, tokens: int, chunk: int, branches: float) -> float:
+def _weight_gathers(zero: int, tokens: int, chunk: int, branches: float, by_layer: bool) -> float:
     """Whole-model all-gathers per step under ZeRO `zero` (FSDP: 2 keeps a layer gathered from its forward to its
-    backward, 3 gathers it for each use). ZeRO-3 runs the prompt layer-major (engine/prompt_by_layer.py):
-    capture 1, the prompt backward 3 (a forward to the checkpoints, the groups' recompute, the backward); each
-    branch replayed (branch batch 1) 2. ZeRO-2 runs it chunk by chunk: one gather per chunk and per branch."""
+    backward, 3 gathers it for each use), replaying one branch at a time. ZeRO-3 layer by layer
+    (engine/prompt_by_layer.py): capture 1, the prompt backward 3 (a forward to the checkpoints, the groups'
+    recompute, the backward), each branch 2; chunk by chunk: capture 1 per chunk, the prompt backward 2 per chunk.
+    ZeRO-2: one per chunk and per branch."""
     if zero < 2:
         return 0.0
+    chunks = math.ceil(tokens / chunk)
     if zero == 2:
-        return 1 + math.ceil(tokens / chunk) + branches
-    return 1 + 3 + 2 * branches
+        return 1 + chunks + branches
+    return (1 + 3 if by_layer else 3 * chunks) + 2 * branches
 
 
 def step_time(work: dict, tflops: float, link_gbps: float) -> dict:

@@ -96,3 +96,26 @@ def test_work_per_rank_of_the_seeds_set_up():
     assert g["sent_bytes"] > 2 * g["sent_bytes_gradients"] > 0  # the gradients' reduction is not all it sends
     with pytest.raises(ValueError, match="--tflops"):
         step_time(w, 0, 100)
+
+
+def test_zero3_picks_the_prompt_order_and_counts_its_weight_gathers():
+    """Under ZeRO-3 the plan takes the layer-major prompt when its checkpoints fit a quarter of the GPU (GLM-5 on
+    32 ranks: 18 hidden states of 65,625 tokens), not when they do not (Qwen3.5-27B on 8: 16 of 262,500 tokens
+    plus the Gated DeltaNet states at every chunk start), and the work model counts the gathers of that order."""
+    from longstraw.tools.work import step_work
+
+    glm = json.loads((REF / "glm5" / "config.json").read_text())
+    g = plan(glm, 2_100_000, 32, 96, zero=3, activation_bytes=10_000)
+    assert g["prompt_order"] == "layers"
+    assert g["per_rank"]["layer-major checkpoints"] == pytest.approx(18 * 2_100_000 / 32 * 6144 * 2)
+    qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
+    q = plan(qwen, 2_100_000, 8, 96, zero=3, activation_bytes=10_000)
+    assert q["prompt_order"] == "chunks" and q["per_rank"]["layer-major checkpoints"] == 0
+    assert q["layer_major_bytes"] > 96e9 / 4
+    chunks = -(-2_100_000 // 2048)
+    by_chunk = step_work(qwen, 2_100_000, 8, 2048, 8, 1024, zero=3, by_layer=False)
+    by_layer = step_work(qwen, 2_100_000, 8, 2048, 8, 1024, zero=3, by_layer=True)
+    assert by_chunk["weight_gathers"] == 3 * chunks + 2 * 1  # 8 branches spread over 8 ranks: one each
+    assert by_layer["weight_gathers"] == 4 + 2 * 1
+    assert by_chunk["sent_bytes_weight_gathers"] > 300 * by_layer["sent_bytes_weight_gathers"]
+    assert step_work(qwen, 2_100_000, 8, 2048, 8, 1024, zero=1)["weight_gathers"] == 0
