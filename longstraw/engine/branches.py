@@ -43,6 +43,18 @@ class Branches:
     def token_count(self) -> int:
         return sum(r.numel() for r in self.tokens)
 
+    def padded(self, count: int) -> "Branches":
+        """These branches and fillers up to `count`: one-token responses of advantage 0 and token weight 0, which
+        add nothing to the loss, its gradient or its statistics (a group's ranks replay their own equal shares of
+        the branches, so G need not divide by their number)."""
+        extra = count - len(self)
+        if extra <= 0:
+            return self
+        one = torch.zeros(1, dtype=torch.long, device=self.tokens[0].device)  # token 0: in every vocab
+        fill = lambda xs: None if xs is None else xs + [torch.zeros(1, dtype=xs[0].dtype)] * extra  # noqa: E731
+        return Branches(self.tokens + [one] * extra, torch.cat([self.advantages, self.advantages.new_zeros(extra)]),
+                        self.token_weights + [0.0] * extra, fill(self.old_logprobs), fill(self.ref_logprobs))
+
     def select(self, idx: Sequence[int]) -> "Branches":
         """The branches `idx` (e.g. a data-parallel group's share, or one replay batch)."""
         idx = list(idx)

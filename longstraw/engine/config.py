@@ -32,8 +32,8 @@ class EngineConfig(BaseModel):
         "free memory, else k = ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)")
     prompt_order: PromptOrder = Field(
         "auto", description="how capture and the exact prompt backward walk the prompt: 'chunks' (every layer per "
-        "chunk), 'layers' (every chunk per layer: each ZeRO-3 layer gathered once per pass, for one more prompt "
-        "forward and sqrt(layers) hidden states of the rank's tokens kept); auto: 'layers' under ZeRO-3")
+        "chunk), 'layers' (every chunk per layer: each ZeRO-3 layer gathered once per pass, for two more prompt "
+        "forwards and about 2 sqrt(layers) hidden states of the rank's tokens kept); auto: 'layers' under ZeRO-3")
 
 
 def sqrt_interval(chunks: int) -> int:

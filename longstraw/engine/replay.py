@@ -85,6 +85,8 @@ def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfi
         ref = None if branches.ref_logprobs is None else branches.ref_logprobs[i]
         li, st = branch_loss(lp, float(branches.advantages[i]), branches.token_weights[i], loss, old, ref)
         total = total + li
+        if branches.token_weights[i] == 0.0:  # a filler (`Branches.padded`): in the graph, in no statistic
+            continue
         for key, val in st.items():
             totals[key] += val
     total.backward()
@@ -112,13 +114,13 @@ def replay(
     check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
     parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
                                              "branches": len(branches)})
-    # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), when
-    # the branches split evenly; else every rank replays all of them
-    spread = parallel.size > 1 and len(branches) % parallel.size == 0
+    # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), padded
+    # with fillers to a multiple of the group
+    spread = parallel.size > 1
     if spread:
-        per = len(branches) // parallel.size
+        per = -(-len(branches) // parallel.size)
         pad = max(r.numel() for r in branches.tokens)  # one length on every rank: their queries are gathered
-        branches = branches.select(range(parallel.rank * per, (parallel.rank + 1) * per))
+        branches = branches.padded(per * parallel.size).select(range(parallel.rank * per, (parallel.rank + 1) * per))
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
     totals = dict.fromkeys(LOSS_TOTALS, 0.0)
     mode = "detached" if dstate is None else "exact"

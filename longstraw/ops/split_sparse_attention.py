@@ -80,16 +80,17 @@ def split_select_topk(queries: tuple[Tensor, ...], score, prefix_keys: Tensor | 
     q_all = tuple(_gather_queries(x, lay) for x in queries)
     device = own_keys.device
     rows = 0 if prefix_keys is None else prefix_keys.shape[0]
-    blocks = [(lay.row_positions[a: a + key_block], score(q_all, prefix_keys[a: a + key_block]))
-              for a in range(0, rows, key_block)]
-    own_pos = torch.arange(lay.own_start, lay.own_start + t, device=device)
-    s = score(q_all, own_keys.repeat(c, 1, 1))  # [C * B, L, T]
-    seen = own_pos <= _query_positions(lay, b, device)[..., None]
-    if lay.spread:  # another rank's branches are other sequences
-        mine = (torch.arange(c * b, device=device) // b == group.rank)[:, None, None]
-        seen = seen & mine
-    blocks.append((own_pos, s.masked_fill(~seen, NEG)))
-    vals, pos = topk_candidates(iter(blocks), k)
+
+    def blocks():  # in position order, one block's scores alive at a time
+        for a in range(0, rows, key_block):
+            yield lay.row_positions[a: a + key_block], score(q_all, prefix_keys[a: a + key_block])
+        own_pos = torch.arange(lay.own_start, lay.own_start + t, device=device)
+        seen = own_pos <= _query_positions(lay, b, device)[..., None]
+        if lay.spread:  # another rank's branches are other sequences
+            seen = seen & (torch.arange(c * b, device=device) // b == group.rank)[:, None, None]
+        yield own_pos, score(q_all, own_keys.repeat(c, 1, 1)).masked_fill(~seen, NEG)  # [C * B, L, T]
+
+    vals, pos = topk_candidates(blocks(), k)
     if vals.shape[-1] < k:  # pad to k: every rank sends the same shape; -inf is never selected
         fill = k - vals.shape[-1]
         vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], fill), NEG)], -1)

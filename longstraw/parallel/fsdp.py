@@ -18,11 +18,11 @@ Why FSDP2 and not DeepSpeed's ZeRO engine:
   expects one `engine.backward(loss)` per micro-step.
 - It is torch itself: no extension to compile, the same code on gloo (CPU tests) and NCCL.
 
-Gradients: in replay every rank of a sequence-parallel group computes the same parameter gradient (see
-sequence.py); the data-parallel groups compute the sums over their own branches. FSDP sums over all N ranks and
-divides by the group size C, which leaves the one-process gradient, sharded. A split prompt backward's gradients
-are each rank's own share: it runs under `gradient_replicas(model, 1, ...)`. `grpo_backward` sees an FSDP model and leaves the
-data-parallel sum to FSDP.
+Gradients: the replays and the prompt backward give each rank its own share of the gradient (its branches, its
+blocks of the chunks; sequence.py), and the data-parallel groups their own branches': they run under
+`gradient_replicas(model, 1, ...)`, and FSDP's sum over all N ranks leaves the one-process gradient, sharded.
+Outside them the divide factor is C, for a backward that every rank of a group would run alike. `grpo_backward`
+sees an FSDP model and leaves the data-parallel sum to FSDP.
 
 Lockstep: FSDP all-gathers a layer's parameters over all N ranks at each of its forwards, so every rank must run
 the same forwards in the same order. The engine does: every rank of a group runs its block of every chunk, and

@@ -15,10 +15,10 @@ over its own rows, the owners merge the candidates into the global top-k, and th
 the selected rows live (`ops/split_sparse_attention.py`); Gated DeltaNet: each block's affine summary of the
 recurrence is all-gathered and composed (`ops/gated_delta.py`). Parameter gradients are then partial per rank
 and summed over the group.
-Replay gives each rank its share of the branches when they divide evenly, whose queries visit every rank's rows
-as a split chunk's do. Otherwise, and when decoding (few queries over the sharded prefix: the right pattern
-there), every rank runs all the queries and the attention over the prefix is split by owner and merged by
-log-sum-exp (`merge`), so every rank holds the same output. In a backward the gradient of a rank's own rows stays
+Replay gives each rank its share of the branches (padded with fillers that add nothing, so that G need not
+divide by C), whose queries visit every rank's rows as a split chunk's do. Scoring without gradients and decoding
+(few queries over the sharded prefix: the right pattern there) run all the queries on every rank; the attention
+over the prefix is split by owner and merged by log-sum-exp (`merge`), so every rank holds the same output. In a backward the gradient of a rank's own rows stays
 on it (dState is sharded like the state).
 """
 

@@ -110,12 +110,12 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
             sent += 2 * forward + backward
     per_step = 4 * (token + attn + gdn)  # capture + recompute + backward = 4 forward units
     even = (per_step + 3 * replay) / c
-    spread = branches % c == 0
-    busiest = 4 * (token + attn + gdn_split) / c + 3 * replay / (c if spread else 1)
+    share = math.ceil(branches / c) / branches  # each rank replays its share, padded with fillers
+    busiest = 4 * (token + attn + gdn_split) / c + 3 * replay * share
     replicated = 4 * (token + gdn) + 4 * attn * (2 * c - 1) / (c * c) + 3 * replay  # contiguous ranges: rank 0
     params = sum(t.numel() for t in model.parameters())
     grad_bytes = 2 * (c - 1) / c * 4 * params if c > 1 else 0.0
-    gathers = _weight_gathers(zero, tokens, chunk, branches / c if spread else branches, by_layer)
+    gathers = _weight_gathers(zero, tokens, chunk, math.ceil(branches / c), by_layer)
     n = c * dp
     gather_bytes = gathers * (n - 1) / n * 2 * params  # bf16 weights over a ring of all N ranks
     return {"flops_one_rank": per_step + 3 * replay, "flops_even": even, "flops_busiest": busiest,

@@ -67,3 +67,33 @@ def test_state_from_other_model_is_refused():
     state = ls.capture(tiny_model(num_hidden_layers=2), torch.randint(0, 97, (10,)))
     with pytest.raises(ValueError, match="different model"):
         ls.score(tiny_model(), state, [torch.tensor([1, 2])])
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_filler_branches_add_nothing(off_policy):
+    """`Branches.padded` (how a group's ranks get equal shares of G branches): the fillers change neither the
+    gradient (dState and parameters) nor any loss statistic, with the KL term and off-policy ratios on."""
+    from longstraw.engine import capture, new_dstate, replay
+    from longstraw.engine.branches import Branches
+
+    model = tiny_model("qwen3_5_text", dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 97, (30,), generator=g)
+    responses = [torch.randint(0, 97, (n,), generator=g) for n in (5, 2, 7)]
+    logps = [-torch.rand(r.numel(), generator=g, dtype=torch.float64) for r in responses]
+    loss = ls.GRPOConfig(kl_coef=0.1)
+    branches = Branches.group(responses, [0.9, -0.4, -0.5], loss, vocab_size=97, ref_logprobs=logps,
+                              old_logprobs=[lp - 0.3 for lp in logps] if off_policy else None)
+    out = []
+    for b in (branches, branches.padded(8)):
+        model.zero_grad(set_to_none=True)
+        state = capture(model, prompt, 8, exact=True)
+        dstate = new_dstate(state)
+        stats = replay(model, state, b, loss, dstate, engine=ls.EngineConfig(branch_batch=2))
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        out.append((stats, grads, torch.cat([t.flatten() for s in dstate.values() for t in s.tensors()])))
+    (s1, g1, d1), (s2, g2, d2) = out
+    assert len(branches.padded(8)) == 8 and s1["loss"] != 0 and s1["kl_sum"] > 0
+    assert s1 == pytest.approx(s2, abs=1e-12)
+    # (equal up to rounding: a filler in a batch changes its padded length)
+    assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-14) and torch.allclose(d1, d2, rtol=1e-12, atol=1e-14)

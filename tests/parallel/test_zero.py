@@ -9,6 +9,9 @@ agree to 1e-6."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -147,11 +150,9 @@ def test_zero_stage_and_model_must_agree(case, message):
         assert re.search(message, bytes(r["error"].tolist()).decode())
 
 
-def layer_major_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
-    """ZeRO-3 exact capture with no kept graphs: its state rows and boundary states, and FSDP's all-gathers."""
-    sp = SequenceParallel()
-    m = shard_model(_build(arch, torch.float64), 3, sp)
-    prompt, _ = group(arch)
+@contextmanager
+def counting_weight_gathers() -> Iterator[list]:
+    """Within, each of FSDP2's parameter all-gathers appends to the yielded list."""
     calls = []
     plain = torch.distributed.all_gather_single
 
@@ -161,10 +162,19 @@ def layer_major_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor
 
     torch.distributed.all_gather_single = counted  # what FSDP2 gathers parameters with
     try:
-        state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=1),
-                           parallel=sp, exact=True)
+        yield calls
     finally:
         torch.distributed.all_gather_single = plain
+
+
+def layer_major_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
+    """ZeRO-3 exact capture with no kept graphs: its state rows and boundary states, and FSDP's all-gathers."""
+    sp = SequenceParallel()
+    m = shard_model(_build(arch, torch.float64), 3, sp)
+    prompt, _ = group(arch)
+    with counting_weight_gathers() as calls:
+        state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, boundary_every=1),
+                           parallel=sp, exact=True)
     out = {f"state.{i}.{j}": t for i, layer in enumerate(state.layers) for j, t in enumerate(layer.tensors())}
     out |= {f"boundary.{c}.{i}.{j}": t for c, b in state.boundaries.items() for i, s in b.items()
             for j, t in enumerate(s.tensors())}
@@ -203,19 +213,9 @@ def zero3_step_rank(rank: int, world: int, arch: str, chunk: int) -> dict[str, t
     sp = SequenceParallel()
     m = shard_model(_build(arch, torch.float64), 3, sp)
     prompt, responses = group(arch)
-    calls = []
-    plain = torch.distributed.all_gather_single
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return plain(*args, **kwargs)
-
-    torch.distributed.all_gather_single = counted
-    try:
+    with counting_weight_gathers() as calls:
         ls.grpo_backward(m, prompt, responses, ADV, mode="exact", parallel=sp,
                          engine=ls.EngineConfig(prompt_chunk=chunk, prompt_graph_budget=0))
-    finally:
-        torch.distributed.all_gather_single = plain
     grads = [full_tensor(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype) for p in m.parameters()]
     return {"grad": torch.cat([g.flatten() for g in grads]), "gathers": torch.tensor(len(calls))}
 
