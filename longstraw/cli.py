@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 
 from .files import write_bytes
@@ -30,7 +31,10 @@ def _step(args: argparse.Namespace) -> int:
         if results is not None and not args.sharded_worker:
             print(format_table(results))
             _write_json(args.json, results)
-        return 0
+        # gloo can abort in the interpreter's teardown after a run that succeeded: leave without one
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     g = cfg.responses
     print(
         f"GRPO step: {cfg.model.path or cfg.model.random['model_type'] + ' (random)'}, dtype {cfg.dtype}, "
@@ -160,8 +164,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 
 def _world_size() -> int:
-    import os
-
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
