@@ -13,7 +13,9 @@ import weakref
 
 import torch
 
+from ..memory import free_bytes
 from ..models.protocol import PrefixLM
+from ..parallel import ONE_RANK, SequenceGroup
 from ..state import PrefixView, Segment
 from .chunks import empty_state, run_chunk, store_chunk
 
@@ -52,11 +54,19 @@ def activation_bytes_per_token(model: PrefixLM) -> int:
     return cache[key]
 
 
-def kept_chunk_count(model: PrefixLM, chunks: list[tuple[int, int]], budget: int) -> int:
-    """How many final prompt chunks fit the graph budget."""
+def checkpointed_bytes_per_token(model: PrefixLM) -> int:
+    """What a chunk's graph keeps per token under per-layer checkpointing: each layer's input."""
+    p = next(model.parameters())
+    return len(model.decoder_layers) * model.config.hidden_size * p.element_size()
+
+
+def kept_chunk_count(model: PrefixLM, chunks: list[tuple[int, int]], budget: int,
+                     checkpoint_layers: bool = False) -> int:
+    """How many final prompt chunks fit the graph budget (graphs of checkpointed layers, with
+    `checkpoint_layers`)."""
     if budget <= 0:  # nothing to measure
         return 0
-    per_token = activation_bytes_per_token(model)
+    per_token = checkpointed_bytes_per_token(model) if checkpoint_layers else activation_bytes_per_token(model)
     kept, used = 0, 0
     for s, e in reversed(chunks):
         used += (e - s) * per_token
@@ -64,3 +74,13 @@ def kept_chunk_count(model: PrefixLM, chunks: list[tuple[int, int]], budget: int
             break
         kept += 1
     return kept
+
+
+def checkpoints_layers(model: PrefixLM, setting: bool | None, tokens: int, parallel: SequenceGroup = ONE_RANK) -> bool:
+    """`EngineConfig.checkpoint_layers` for a forward of `tokens` tokens with autograd: as set, or (None) whether
+    the whole model's activations of those tokens exceed a quarter of free memory (the least over the group: its
+    ranks must agree, since a recomputed layer repeats its collectives in the backward)."""
+    if setting is not None:
+        return setting
+    free = parallel.agree_min(free_bytes(next(model.parameters()).device))
+    return activation_bytes_per_token(model) * tokens > free // 4

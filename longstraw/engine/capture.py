@@ -17,9 +17,9 @@ from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState, boundary_states
-from .budget import kept_chunk_count
-from .chunks import (Kept, check_prompt, chunk_segment, chunk_with_graph, empty_state, layer_major, run_chunk,
-                     store_chunk)
+from .budget import checkpoints_layers, kept_chunk_count
+from .chunks import (Kept, block_tokens, check_prompt, chunk_segment, chunk_with_graph, empty_state, layer_major,
+                     run_chunk, store_chunk)
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval
 
 
@@ -61,11 +61,13 @@ def capture(
     prompt = check_prompt(model, prompt_ids, parallel)
     state = empty_state(model, prompt, engine.prompt_chunk, parallel)
     n = len(state.chunks)
-    first_kept = n
+    first_kept, checkpointed = n, False
     if exact:
         free = parallel.agree_min(free_bytes(next(model.parameters()).device))  # every rank decides alike
         budget = free // 4 if engine.prompt_graph_budget is None else engine.prompt_graph_budget
-        first_kept = n - kept_chunk_count(model, state.chunks, budget)
+        if budget > 0:
+            checkpointed = checkpoints_layers(model, engine.checkpoint_layers, block_tokens(state, parallel), parallel)
+        first_kept = n - kept_chunk_count(model, state.chunks, budget, checkpointed)
         state.boundary_every = boundary_interval(engine, -(-n // parallel.size), state.fixed_nbytes, free)
         if first_kept < n:
             state.graphs = PromptGraphs(state.grad_buffer(), {})
@@ -81,7 +83,7 @@ def capture(
         if i >= first_kept:
             with torch.enable_grad():
                 state.graphs.kept[i] = chunk_with_graph(model, state, i, state.graphs.dstate,
-                                                        boundary_states(state.layers), parallel)
+                                                        boundary_states(state.layers), parallel, checkpointed)
             emitted = state.graphs.kept[i][0]
         else:
             emitted = run_chunk(model, state, i, parallel=parallel)

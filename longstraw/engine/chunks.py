@@ -83,30 +83,33 @@ def run_chunk(
     prefix: list[LayerState] | None = None,
     grad: dict[int, LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
+    checkpoint_layers: bool = False,
 ) -> dict[int, LayerState]:
     """Forward chunk i on the state of the chunks before it; returns what each layer adds to the state (the rows
     of this rank's block).
 
     `prefix` overrides the layers' states (exact mode passes boundary states as autograd leaves); per-token
-    layers read their rows before the chunk. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix.
+    layers read their rows before the chunk. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix, and
+    `checkpoint_layers` keeps only each layer's input for the backward.
     """
-    ids, seg = chunk_segment(state, i, prefix, grad, parallel)
+    ids, seg = chunk_segment(state, i, prefix, grad, parallel, checkpoint_layers)
     model.emit_states(ids, seg)
     return seg.emitted
 
 
 def chunk_segment(state: PrefixState, i: int, prefix: list[LayerState] | None = None,
-                  grad: dict[int, LayerState] | None = None, parallel: SequenceGroup = ONE_RANK
-                  ) -> tuple[torch.Tensor, Segment]:
+                  grad: dict[int, LayerState] | None = None, parallel: SequenceGroup = ONE_RANK,
+                  checkpoint_layers: bool = False) -> tuple[torch.Tensor, Segment]:
     """The input ids [1, t] this rank runs of chunk i (its block) and the segment that collects what they emit."""
     s, e = state.chunks[i]
     view = PrefixView(prefix or state.layers, s, grad, state.rows, parallel)
     if parallel.size == 1:
-        seg = Segment(start=s, prefix=view, collect=True)
+        seg = Segment(start=s, prefix=view, collect=True, checkpoint_layers=checkpoint_layers)
     else:
         blocks = parallel.chunk_blocks(i, s, e)
         a, e = blocks[parallel.rank]
-        seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel))
+        seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel),
+                      checkpoint_layers=checkpoint_layers)
     return state.prompt_ids[seg.start:e][None], seg
 
 
@@ -143,12 +146,18 @@ def checkpoint_every(layers: int) -> int:
 
 
 def chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: dict[int, LayerState],
-                     boundary: dict[int, LayerState], parallel: SequenceGroup = ONE_RANK) -> Kept:
+                     boundary: dict[int, LayerState], parallel: SequenceGroup = ONE_RANK,
+                     checkpoint_layers: bool = False) -> Kept:
     """Chunk i with autograd (call it under enable_grad), reading leaves: its `boundary` states as fresh ones (so
     each chunk's graph stands alone), the per-token rows before it as themselves (their gradient goes into
     `grad`)."""
     leaves = [boundary.get(j, layer).leaf() for j, layer in enumerate(state.layers)]
-    return run_chunk(model, state, i, leaves, grad, parallel), leaves
+    return run_chunk(model, state, i, leaves, grad, parallel, checkpoint_layers), leaves
+
+
+def block_tokens(state: PrefixState, parallel: SequenceGroup = ONE_RANK) -> int:
+    """The most tokens a rank runs of one chunk (its block of the longest), the same on every rank."""
+    return max((-(-(e - s) // parallel.size) for s, e in state.chunks), default=0)
 
 
 def empty_state(model: PrefixLM, prompt_ids: torch.Tensor, chunk_size: int,

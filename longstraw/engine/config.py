@@ -34,6 +34,11 @@ class EngineConfig(BaseModel):
         "auto", description="how capture and the exact prompt backward walk the prompt: 'chunks' (every layer per "
         "chunk), 'layers' (every chunk per layer: each ZeRO-3 layer gathered once per pass, for two more prompt "
         "forwards and about 2 sqrt(layers) hidden states of the rank's tokens kept); auto: 'layers' under ZeRO-3")
+    checkpoint_layers: bool | None = Field(
+        None, strict=True, description="per-layer activation checkpointing of the prompt chunks and branches run "
+        "with autograd: each layer keeps its input and runs again in the backward, so a chunk or branch holds one "
+        "layer's activations at a time (one more forward of it); default: on when a whole chunk's (or branch "
+        "batch's) activations would take more than a quarter of free memory")
 
 
 def sqrt_interval(chunks: int) -> int:

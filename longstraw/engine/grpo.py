@@ -78,7 +78,8 @@ def grpo_backward(
         totals = replay(model, state, branches.select(parallel.branches(len(branches))), loss, dstate, engine=engine,
                         parallel=parallel, progress=progress)
         if exact:
-            prompt_backward(model, state, dstate, parallel=parallel, order=engine.prompt_order, progress=progress)
+            prompt_backward(model, state, dstate, parallel=parallel, order=engine.prompt_order,
+                            checkpoint_layers=engine.checkpoint_layers, progress=progress)
         if summed_here:
             reduce_gradients(model, parallel)
 

@@ -22,7 +22,8 @@ from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
 from .checks import check_state
-from .chunks import block_rows, chunk_with_graph, gradients_summed_over_group, layer_major, run_chunk
+from .budget import checkpoints_layers
+from .chunks import block_rows, block_tokens, chunk_with_graph, gradients_summed_over_group, layer_major, run_chunk
 from .config import PromptOrder
 from .prompt_by_layer import prompt_backward_by_layer
 
@@ -30,7 +31,8 @@ Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size s
 
 
 def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, LayerState], *,
-                    parallel: SequenceGroup = ONE_RANK, order: PromptOrder = "auto", progress: bool = False) -> None:
+                    parallel: SequenceGroup = ONE_RANK, order: PromptOrder = "auto",
+                    checkpoint_layers: bool | None = None, progress: bool = False) -> None:
     """Back-propagate `dstate` (dLoss/dState of all this group's branches) through the prompt into `param.grad`.
 
     With data-parallel groups, dstate is first summed over them (each group then runs the same prompt backward in
@@ -40,12 +42,15 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     into the parameters. The state is left as it is (its kept graphs are used up).
 
     `order` (`EngineConfig.prompt_order`): layer by layer, the chunks without a kept graph run in the layer-major
-    order of engine/prompt_by_layer.py, after the kept ones."""
+    order of engine/prompt_by_layer.py (one layer at a time already), after the kept ones. Chunk by chunk,
+    `checkpoint_layers` (`EngineConfig.checkpoint_layers`) recomputes each layer of a chunk in its backward."""
     check_state(model, state, parallel)
     by_layer = layer_major(model, order, state, parallel)
     parallel.check_agree("prompt backward settings", {
         "chunks": len(state.chunks), "boundary_every": state.boundary_every, "by_layer": by_layer,
-        "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept)})
+        "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept),
+        "checkpoint_layers": checkpoint_layers})
+    checkpointed = checkpoints_layers(model, checkpoint_layers, block_tokens(state, parallel), parallel)
     kept = {}
     if state.graphs is not None:  # the kept graphs add into their own buffer: make it the one
         if state.graphs.dstate is not dstate:
@@ -68,7 +73,7 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
             else:
                 boundary = _boundary(model, state, i, stored, shared, parallel)
                 with torch.enable_grad():
-                    emitted, leaves = chunk_with_graph(model, state, i, dstate, boundary, parallel)
+                    emitted, leaves = chunk_with_graph(model, state, i, dstate, boundary, parallel, checkpointed)
             outputs, grads = [], []
             for j, new in emitted.items():
                 outputs += new.differentiable()

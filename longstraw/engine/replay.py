@@ -16,6 +16,7 @@ from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, PrefixView, Segment
 from .branches import Branches
+from .budget import checkpoints_layers
 from .checks import as_responses, check_positions, check_state
 from .chunks import gradients_summed_over_group
 from .config import EngineConfig
@@ -37,13 +38,14 @@ def replay_logprobs(
     prefix: list[LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
     spread_to: int | None = None,
+    checkpoint_layers: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
     The state is read, never written; with `grad` (dState sinks), backward adds dLoss/dPrefix of the per-token
     layers into it. `prefix` overrides the layers' states (exact mode passes `leaf()`s, views of the state).
     `spread_to`: the ranks of `parallel` replay different responses, all padded to that many tokens (`Segment`'s
-    spread).
+    spread). `checkpoint_layers`: each layer keeps only its input for the backward.
     """
     device = state.prompt_ids.device
     longest = spread_to or max(r.numel() for r in responses)
@@ -55,7 +57,7 @@ def replay_logprobs(
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
     view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
-    seg = Segment(start=state.length, prefix=view, spread=spread_to is not None)
+    seg = Segment(start=state.length, prefix=view, spread=spread_to is not None, checkpoint_layers=checkpoint_layers)
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     logp = token_logprobs(model(inputs, seg), targets)
     return [logp[i, : r.numel()] for i, r in enumerate(responses)]
@@ -113,7 +115,7 @@ def replay(
     check_state(model, state, parallel)
     check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
     parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
-                                             "branches": len(branches)})
+                                             "branches": len(branches), "checkpoint_layers": engine.checkpoint_layers})
     # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), padded
     # with fillers to a multiple of the group
     spread = parallel.size > 1
@@ -121,6 +123,8 @@ def replay(
         per = -(-len(branches) // parallel.size)
         pad = max(r.numel() for r in branches.tokens)  # one length on every rank: their queries are gathered
         branches = branches.padded(per * parallel.size).select(range(parallel.rank * per, (parallel.rank + 1) * per))
+    longest = pad if spread else max(r.numel() for r in branches.tokens)
+    checkpointed = checkpoints_layers(model, engine.checkpoint_layers, engine.branch_batch * longest, parallel)
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
     totals = dict.fromkeys(LOSS_TOTALS, 0.0)
     mode = "detached" if dstate is None else "exact"
@@ -128,7 +132,8 @@ def replay(
           gradients_summed_over_group(model, parallel, spread)):
         for b in range(0, len(branches), engine.branch_batch):
             batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
-            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel, pad if spread else None)
+            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel, pad if spread else None,
+                                    checkpointed)
             loss_backward(batch, logps, loss, totals)
             bar.update(len(batch))
     for i, leaf in enumerate(leaves or []):

@@ -121,8 +121,11 @@ class Segment:
     and reassembles the containers), which would leave each layer writing into a copy."""
 
     def __init__(self, start: int = 0, prefix: PrefixView | None = None, cache: DecodeCache | None = None,
-                 collect: bool = False, split: ChunkSplit | None = None, spread: bool = False) -> None:
+                 collect: bool = False, split: ChunkSplit | None = None, spread: bool = False,
+                 checkpoint_layers: bool = False) -> None:
         self.start, self.prefix, self.cache, self.collect, self.split = start, prefix, cache, collect, split
+        # under autograd each layer keeps only its input and reruns in the backward (models/common/recompute.py)
+        self.checkpoint_layers = checkpoint_layers
         # spread: the ranks of the prefix's group hold different sequences (each its share of the branches, of
         # one length), whose queries all visit every rank's rows
         self.spread = spread

@@ -355,7 +355,8 @@ class Worker:
                              "started: run the group's replay tasks first")
         prefix = self._load(state)
         with self._meter() as m:
-            prompt_backward(self.model, prefix, grad, parallel=self.parallel, order=self.cfg.engine.prompt_order)
+            prompt_backward(self.model, prefix, grad, parallel=self.parallel, order=self.cfg.engine.prompt_order,
+                            checkpoint_layers=self.cfg.engine.checkpoint_layers)
         return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
 

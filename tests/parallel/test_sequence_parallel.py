@@ -63,6 +63,11 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
     ls.grpo_backward(m, prompt, responses, ADV, mode="exact", engine=cfg.model_copy(update={"prompt_graph_budget": None}),
                      parallel=sp)
     out["grad.exact_kept"] = flat_grad(m)
+    # exact with per-layer activation checkpointing: each layer's forward (and its collectives) again in the backward
+    m.zero_grad(set_to_none=True)
+    ls.grpo_backward(m, prompt, responses, ADV, mode="exact", engine=cfg.model_copy(update={"checkpoint_layers": True}),
+                     parallel=sp)
+    out["grad.exact_checkpointed"] = flat_grad(m)
     return out
 
 
@@ -103,8 +108,9 @@ def test_sharded_state_matches_one_process(arch, world):
         assert rel_err(r["grad.exact"], ref["grad.exact"]) <= 1e-10
         assert rel_err(r["grad.exact"], ref["grad.naive"]) <= 1e-10
         assert rel_err(r["grad.exact_kept"], ref["grad.naive"]) <= 1e-10
+        assert rel_err(r["grad.exact_checkpointed"], ref["grad.naive"]) <= 1e-10
         assert rel_err(r["grad.detached"], ref["grad.detached"]) <= 1e-10
-        for key in ("grad.exact", "grad.exact_kept", "grad.detached"):  # replicas stay bitwise in step
+        for key in ("grad.exact", "grad.exact_kept", "grad.exact_checkpointed", "grad.detached"):  # replicas stay bitwise in step
             assert torch.equal(r[key], ranks[0][key]), key
     assert rel_err(ref["grad.detached"], ref["grad.naive"]) > 1e-2  # the comparison can tell the modes apart
 
@@ -303,7 +309,7 @@ def lora_model(arch: str) -> torch.nn.Module:
     return m
 
 
-def lora_rank(rank: int, world: int, arch: str, zero: int) -> dict[str, torch.Tensor]:
+def lora_rank(rank: int, world: int, arch: str, zero: int, checkpointed: bool) -> dict[str, torch.Tensor]:
     from longstraw.parallel import full_tensor, shard_model
 
     sp = SequenceParallel()
@@ -311,18 +317,23 @@ def lora_rank(rank: int, world: int, arch: str, zero: int) -> dict[str, torch.Te
     if zero:
         shard_model(m, zero, sp)
     prompt, responses = group(arch)
-    ls.grpo_backward(m, prompt, responses, ADV, mode="exact", engine=ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
+    engine = ls.EngineConfig(prompt_chunk=CHUNK)
+    if checkpointed:
+        engine = ls.EngineConfig(prompt_chunk=CHUNK, checkpoint_layers=True, prompt_order="chunks",
+                                 prompt_graph_budget=0)
+    ls.grpo_backward(m, prompt, responses, ADV, mode="exact", engine=engine, parallel=sp)
     return {"grad": torch.cat([full_tensor(p.grad).flatten() for p in m.parameters() if p.requires_grad])}
 
 
-@pytest.mark.parametrize("world,zero", [(2, 0), (3, 0), (2, 3)])
+@pytest.mark.parametrize("world,zero,checkpointed", [(2, 0, False), (3, 0, False), (2, 3, False), (2, 3, True)])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
-def test_lora_exact_gradient_split_over_ranks_equals_naive(arch, world, zero):
+def test_lora_exact_gradient_split_over_ranks_equals_naive(arch, world, zero, checkpointed):
     """LoRA under the split schedule (frozen base weights, adapters' gradients summed over the group), with the
-    adapters sharded by FSDP too (ZeRO-3): the adapters' one-process naive gradient."""
+    adapters sharded by FSDP too (ZeRO-3), and with per-layer checkpointing of FSDP units chunk by chunk: the
+    adapters' one-process naive gradient."""
     m = lora_model(arch)
     prompt, responses = group(arch)
     ls.grpo_backward(m, prompt, responses, ADV, mode="naive")
     want = torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad])
-    for r in run_ranks(world, lora_rank, arch, zero, timeout=120):
+    for r in run_ranks(world, lora_rank, arch, zero, checkpointed, timeout=120):
         assert rel_err(r["grad"], want) <= 1e-10

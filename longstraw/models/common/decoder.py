@@ -10,6 +10,7 @@ from torch import nn
 
 from ...state import LayerState, Segment
 from .mixer import TokenMixer
+from .recompute import recomputed
 from .rope import Rotary
 
 
@@ -100,12 +101,19 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         return x, self.model.rotary_emb(seg.start, input_ids.shape[1], x.dtype, x.device)
 
+    @staticmethod
+    def _layer(fn, x: torch.Tensor, rope, seg: Segment):
+        """fn(x, rope, seg), one layer's step: checkpointed when the segment asks for it and autograd records."""
+        if seg.checkpoint_layers and torch.is_grad_enabled():
+            return recomputed(fn, x, rope, seg)
+        return fn(x, rope, seg)
+
     def forward(self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int = 0) -> torch.Tensor:
         """`logits_from` limits the LM head to positions >= it (GRPO scores only responses)."""
         seg = seg or Segment()
         x, rope = self._start(input_ids, seg)
         for layer in self.model.layers:
-            x = layer(x, rope, seg)
+            x = self._layer(layer, x, rope, seg)
         return self.lm_head(self.model.norm(x[:, logits_from:]))
 
     def emit_states(self, input_ids: torch.Tensor, seg: Segment) -> None:
@@ -113,8 +121,8 @@ class CausalLM(nn.Module):
         x, rope = self._start(input_ids, seg)
         *layers, last = self.model.layers
         for layer in layers:
-            x, _ = layer.capture(x, rope, seg)
-        last.emit_state(x, rope, seg)
+            x, _ = self._layer(layer.capture, x, rope, seg)
+        self._layer(last.emit_state, x, rope, seg)
 
     def emit_states_by_layer(self, chunks: list[tuple[torch.Tensor, Segment]], stored: Callable[[int, int], None],
                              hold: Callable[[nn.Module], AbstractContextManager] = lambda _: nullcontext()) -> None:
