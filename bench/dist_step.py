@@ -9,6 +9,7 @@ The parent prints one row per N with the ratio against N = 1 and checks that the
     .venv/bin/python bench/dist_step.py --N 1 2 --P 4096 --arch qwen3_5
     .venv/bin/python bench/dist_step.py --N 1 2 4 --zero 0 3   # also with the parameters sharded (FSDP2, ZeRO-3)
     .venv/bin/python bench/dist_step.py --N 1 2 --zero 3 --order chunks layers   # ZeRO-3: the prompt's two orders
+    .venv/bin/python bench/dist_step.py --N 1 2 --hidden 1024 --checkpoint-layers off on   # per-layer checkpointing
 
 On CPU every rank is one process with `--threads` threads: with more ranks x threads than cores, the ranks
 share cores and wall time says little; the state bytes per rank and the traffic do not depend on that.
@@ -43,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     sp = SequenceParallel()
     torch.manual_seed(0)
-    model = ls.build_model(ARCHS[args.arch](args.P + args.R + 8))
+    model = ls.build_model(model_config(args))
     if args.zero[0]:  # a worker runs one stage
         shard_model(model, args.zero[0], sp)
     param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
@@ -52,7 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     prompt = torch.randint(0, vocab, (args.P,), generator=gen)
     responses = [torch.randint(0, vocab, (args.R,), generator=gen) for _ in range(args.G)]
     adv = ls.group_advantages(torch.rand(args.G, generator=gen, dtype=torch.float64))
-    cfg = ls.EngineConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0, prompt_order=args.order[0])
+    cfg = ls.EngineConfig(prompt_chunk=args.prompt_chunk, prompt_graph_budget=0, prompt_order=args.order[0],
+                          checkpoint_layers=args.checkpoint_layers[0] == "on")
     ls.grpo_backward(model, prompt[:256], responses[:2], adv[:2] - adv[:2].mean(), engine=cfg, parallel=sp)
     model.zero_grad(set_to_none=True)
     release_freed()
@@ -84,12 +86,23 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run(n: int, zero: int, order: str, args: argparse.Namespace) -> list[dict]:
+def model_config(args: argparse.Namespace) -> dict:
+    """The arch's tiny config, widened to `--hidden` (heads of 64, 2 query heads per KV head, MLP 3 x hidden)."""
+    cfg = ARCHS[args.arch](args.P + args.R + 8)
+    if args.hidden:
+        h = args.hidden
+        cfg.update(hidden_size=h, intermediate_size=3 * h, num_attention_heads=h // 64,
+                   num_key_value_heads=max(1, h // 128), head_dim=64)
+    return cfg
+
+
+def run(n: int, zero: int, order: str, ckpt: str, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                os.path.abspath(__file__), "--worker", "--out-dir", d, "--P", str(args.P), "--G", str(args.G),
                "--R", str(args.R), "--arch", args.arch, "--threads", str(args.threads),
-               "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero), "--order", order]
+               "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero), "--order", order,
+               "--hidden", str(args.hidden), "--checkpoint-layers", ckpt]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(__file__).parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         files = sorted(Path(d).glob("rank-*.json"))
@@ -111,6 +124,9 @@ def main() -> None:
                     help="ZeRO stages to run at N > 1 (2, 3: FSDP2 shards parameters and gradients)")
     ap.add_argument("--order", nargs="+", default=["auto"], choices=("auto", "chunks", "layers"),
                     help="EngineConfig.prompt_order values to run at N > 1 (auto: layers under ZeRO-3)")
+    ap.add_argument("--hidden", type=int, default=0, help="widen the dense arch to this hidden size (0: as archs.py)")
+    ap.add_argument("--checkpoint-layers", nargs="+", default=["off"], choices=("off", "on"),
+                    help="EngineConfig.checkpoint_layers values to run (per-layer activation checkpointing)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/out/dist_step.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -123,20 +139,20 @@ def main() -> None:
     import math
 
     rows, base = [], None
-    head = (f"{'N':>3} {'ZeRO':>4} {'order':>6} {'wall s':>8} {'vs N=1':>7} {'params MiB/rank':>15} {'state MiB/rank':>15} "
+    head = (f"{'N':>3} {'ZeRO':>4} {'order':>6} {'ckpt':>4} {'wall s':>8} {'vs N=1':>7} {'params MiB/rank':>15} {'state MiB/rank':>15} "
             f"{'state+dState MiB/rank':>22} {'peak MiB/rank (max)':>20} {'SP comm MiB/rank':>17} "
             f"{'weight gathers (MiB)':>21} {'grad rel err vs N=1':>20}")
     print(head + "\n" + "-" * len(head), flush=True)
-    runs = [(n, z, o) for n in args.N for z in (args.zero if n > 1 else [0])
-            for o in (args.order if n > 1 else ["auto"])]
-    for n, zero, order in runs:
-        ranks = run(n, zero, order, args)
+    runs = [(n, z, o, c) for n in args.N for z in (args.zero if n > 1 else [0])
+            for o in (args.order if n > 1 else ["auto"]) for c in args.checkpoint_layers]
+    for n, zero, order, ckpt in runs:
+        ranks = run(n, zero, order, ckpt, args)
         wall = max(r["seconds"] for r in ranks)
         if base is None:
             base = {**ranks[0], "wall": wall}
         err = math.sqrt(sum((a - b) ** 2 for a, b in zip(ranks[0]["grad_head"], base["grad_head"])))
         err /= math.sqrt(sum(b * b for b in base["grad_head"])) or 1.0
-        row = {"N": n, "zero": zero, "order": order, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
+        row = {"N": n, "zero": zero, "order": order, "checkpoint_layers": ckpt, "wall_seconds": wall, "ratio_vs_1": wall / base["wall"],
                "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
                "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
                "peak_state_bytes_per_rank": [r["peak_state_bytes"] for r in ranks],
@@ -146,7 +162,7 @@ def main() -> None:
                "grad_rel_err_vs_1_first_2048": err}
         rows.append(row)
         gathers = f"{row['weight_gathers']} ({row['weight_gather_bytes'] / MIB:.1f})"
-        print(f"{n:>3} {zero:>4} {order:>6} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['param_bytes_per_rank']) / MIB:>15.2f} "
+        print(f"{n:>3} {zero:>4} {order:>6} {ckpt:>4} {wall:>8.2f} {row['ratio_vs_1']:>7.2f} {max(row['param_bytes_per_rank']) / MIB:>15.2f} "
               f"{max(row['state_bytes_per_rank']) / MIB:>15.2f} {max(row['peak_state_bytes_per_rank']) / MIB:>22.2f} "
               f"{max(row['peak_delta_bytes_per_rank']) / MIB:>20.1f} {max(row['bytes_communicated_per_rank']) / MIB:>17.1f} "
               f"{gathers:>21} {err:>20.2e}", flush=True)
