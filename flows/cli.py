@@ -10,7 +10,7 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from longstraw.cli import build_parser, run  # noqa: E402
+from longstraw.cli import build_parser, rope_overrides, run  # noqa: E402
 from longstraw.config import load_config, with_overrides  # noqa: E402
 from longstraw.train.artifacts import load_json  # noqa: E402
 from longstraw.train.config import TrainConfig  # noqa: E402
@@ -27,6 +27,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     nproc = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else getattr(args, "nproc", None)
     if nproc is not None:
         out["pipeline"] = {"nproc": nproc}
+    if getattr(args, "rope_scaling", None):
+        out.update(rope_overrides(args))
     return out
 
 
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="override the config's run_dir")
     p.add_argument("--steps", type=int, help="override the number of steps")
     p.add_argument("--nproc", type=int, help="ranks of the run (started with torchrun; overrides pipeline.nproc)")
+    p.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help="extend the model's positions by RoPE scaling, "
+                   "e.g. yarn:8 (overrides model.rope_scaling)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=train)
     p = sub.add_parser("resume", help="continue a failed run from its stored state (completed stages are skipped)")

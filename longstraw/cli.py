@@ -19,11 +19,24 @@ def _write_json(path: str | None, obj) -> None:
         write_bytes(path, json.dumps(obj, indent=2).encode())
 
 
+def rope_overrides(args: argparse.Namespace) -> dict:
+    """`--rope-scaling TYPE:FACTOR` as a run config override of the model section ({} without it)."""
+    from .config import parse_rope_scaling
+
+    return {"model": {"rope_scaling": parse_rope_scaling(args.rope_scaling)}} if args.rope_scaling else {}
+
+
+def _add_rope_scaling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help="extend the model's positions by RoPE scaling, "
+                   "e.g. yarn:8 (TYPE linear, llama3 or yarn): original_max_position_embeddings (default: the "
+                   "config's max_position_embeddings) x FACTOR positions; the config.json is not edited")
+
+
 def _step(args: argparse.Namespace) -> int:
     from .config import StepConfig, load_config
     from .tools.step import format_table, run_step, run_step_nproc, sharded_worker
 
-    cfg = load_config(args.config, StepConfig)
+    cfg = load_config(args.config, StepConfig, rope_overrides(args))
     if args.zero is not None:
         cfg = cfg.model_copy(update={"zero_stage": args.zero})
     if args.sharded_worker or _world_size() > 1:  # one rank of a torchrun job
@@ -43,7 +56,8 @@ def _step(args: argparse.Namespace) -> int:
         flush=True,
     )
     if args.nproc > 1:
-        results = run_step_nproc(cfg, args.config, args.nproc, progress=not args.no_progress)
+        extra = ["--rope-scaling", args.rope_scaling] if args.rope_scaling else []
+        results = run_step_nproc(cfg, args.config, args.nproc, progress=not args.no_progress, extra_args=extra)
     else:
         results = run_step(cfg, progress=not args.no_progress)
     print(format_table(results))
@@ -62,15 +76,17 @@ def _state_size(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .config import parse_rope_scaling
     from .models import read_config
     from .tools.plan import format_plan, measured_activation_bytes, plan, smallest_fit
     from .tools.work import format_work, step_time, step_work
 
     cfg = read_config(args.config)
+    rope = parse_rope_scaling(args.rope_scaling) if args.rope_scaling else None
     lora = None if args.lora is None else {"r": args.lora, "target_modules": args.lora_targets}
     act = int(args.activation_kb * 1e3) if args.activation_kb else measured_activation_bytes(cfg, lora)
     kw = dict(zero=args.zero, chunk=args.chunk, responses=args.responses, response_tokens=args.response_tokens,
-              activation_bytes=act, lora=lora)
+              activation_bytes=act, lora=lora, rope_scaling=rope)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], args.chunk, args.responses, args.response_tokens, dp=r["dp"],
@@ -120,6 +136,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "prefix state sharded over them (gloo on CPU, NCCL on GPU), against the one-process gradient")
     p.add_argument("--zero", type=int, choices=(0, 2, 3), help="in the N-rank run, shard the parameters and "
                    "gradients too (ZeRO-2/3 by FSDP2); overrides zero_stage of the config")
+    _add_rope_scaling(p)
     p.add_argument("--sharded-worker", help=argparse.SUPPRESS)
     p.set_defaults(func=_step)
     p = sub.add_parser("state-size", help="prefix-state bytes per token and fixed bytes, from config.json alone")
@@ -145,6 +162,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    help="the modules the adapters go on (default q_proj k_proj v_proj o_proj)")
     p.add_argument("--tflops", type=float, default=400, help="sustained TFLOP/s per GPU for the time estimate")
     p.add_argument("--link-gbps", type=float, default=100, help="GB/s a GPU sends, for the time estimate")
+    _add_rope_scaling(p)
     p.add_argument("--json", help="also write the plan to this JSON file")
     p.set_defaults(func=_plan)
     p = sub.add_parser("export", help="a training checkpoint's weights as an HF checkpoint (--merge: LoRA merged in)")

@@ -27,13 +27,66 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[full]
 
 
+class RopeScaling(BaseModel):
+    """RoPE scaling as HF writes `rope_scaling`, merged into the model's config.json (not edited) when it is
+    loaded: the model then accepts original_max_position_embeddings x factor positions."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # the type's other keys: beta_fast, mscale, ...
+
+    rope_type: Literal["linear", "llama3", "yarn"]
+    factor: float = Field(gt=1, description="how many times the original positions the model accepts")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="the positions the checkpoint was trained on; default: the config's own "
+        "original_max_position_embeddings, else its max_position_embeddings")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type(cls, data):
+        if isinstance(data, dict) and "type" in data:  # the older spelling of rope_type
+            data = {k: v for k, v in data.items() if k != "type"} | {"rope_type": data.get("rope_type", data["type"])}
+        return data
+
+
+def parse_rope_scaling(text: str) -> dict:
+    """`--rope-scaling TYPE:FACTOR` (e.g. yarn:8) as a rope_scaling dict, validated."""
+    kind, _, factor = text.partition(":")
+    try:
+        return RopeScaling(rope_type=kind, factor=factor).model_dump(exclude_none=True)
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"--rope-scaling {text!r}: expected TYPE:FACTOR with TYPE one of linear, llama3, yarn and "
+                         f"FACTOR > 1, e.g. yarn:8 ({why})") from None
+
+
 class ModelSpec(BaseModel):
-    """Either an HF checkpoint directory (`path`) or a transformers config dict for a random model (`random`)."""
+    """Either an HF checkpoint directory (`path`) or a transformers config dict for a random model (`random`);
+    `rope_scaling` extends its positions without editing its config."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str | None = None
     random: dict | None = None
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling merged into the model's config, e.g. "
+                                             "{rope_type: yarn, factor: 8}")
+
+    @property
+    def rope_override(self) -> dict | None:
+        """`rope_scaling` as the dict `load_model(..., rope_scaling=)` and `with_rope_scaling` take."""
+        return None if self.rope_scaling is None else self.rope_scaling.model_dump(exclude_none=True)
+
+    def hf_config(self) -> dict:
+        """The transformers config dict of the model, `rope_scaling` merged in."""
+        from .models import read_config, with_rope_scaling
+
+        return with_rope_scaling(read_config(self.path) if self.path else self.random, self.rope_override)
+
+    def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """The model: the checkpoint's weights, or random ones (the current torch seed)."""
+        from .models import build_model, load_model
+
+        if self.path:
+            return load_model(self.path, dtype=dtype, device=device, rope_scaling=self.rope_override)
+        return build_model(self.hf_config(), dtype, device)
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":

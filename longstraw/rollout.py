@@ -109,11 +109,9 @@ def rollout(
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (0, 1], top_k={top_k} (>= 0)")
     cfg = model.config
-    if state.length + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({state.length + 1}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
-            f"({cfg.max_position_embeddings})"
-        )
+    if state.length + max_new_tokens > cfg.max_positions:
+        raise ValueError(cfg.positions_error(f"prompt ({state.length + 1:,}) + max_new_tokens ({max_new_tokens:,})",
+                                             state.length + max_new_tokens))
     bad = [s for s in stop_ids if not 0 <= s < cfg.vocab_size]
     if bad:
         raise ValueError(f"stop_ids {bad} are outside the model vocab [0, {cfg.vocab_size})")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.config import ModelConfig
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import PrefixState
@@ -34,13 +35,13 @@ def as_responses(responses: Sequence, vocab: int) -> list[torch.Tensor]:
     return [as_ids(r, f"response {i}", vocab) for i, r in enumerate(responses)]
 
 
-def check_positions(prompt_len: int, responses: list[torch.Tensor], max_positions: int) -> None:
+def check_positions(prompt_len: int, responses: list[torch.Tensor], model_config: ModelConfig) -> None:
+    """Prompt + the longest response within the positions the model accepts (`ModelConfig.max_positions`)."""
     longest = max(r.numel() for r in responses)
-    if prompt_len + longest > max_positions:
-        raise ValueError(
-            f"prompt ({prompt_len}) + longest response ({longest}) = {prompt_len + longest} tokens exceeds the "
-            f"model's max_position_embeddings ({max_positions}); shorten them or use a long-context checkpoint"
-        )
+    if prompt_len + longest > model_config.max_positions:
+        raise ValueError(model_config.positions_error(
+            f"prompt ({prompt_len:,}) + longest response ({longest:,}) = {prompt_len + longest:,} tokens",
+            prompt_len + longest))
 
 
 def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what: str) -> list[torch.Tensor] | None:

@@ -193,8 +193,8 @@ def check_prompt(model: PrefixLM, prompt_ids, parallel: SequenceGroup = ONE_RANK
     on every rank, at least one token per rank)."""
     cfg = model.config
     prompt = as_ids(prompt_ids, "prompt", cfg.vocab_size)
-    if prompt.numel() > cfg.max_position_embeddings:
-        raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    if prompt.numel() > cfg.max_positions:
+        raise ValueError(cfg.positions_error(f"prompt of {prompt.numel():,} tokens", prompt.numel()))
     parallel.check_same(prompt, "prompt")
     if parallel.size > 1 and prompt.numel() - 1 < parallel.size:  # one rank may hold an empty state
         raise ValueError(f"a prompt of {prompt.numel()} tokens leaves some of the {parallel.size} sequence-parallel "

@@ -61,7 +61,7 @@ def grpo_backward(
     branches = Branches.group(responses, advantages, loss, vocab_size=model.config.vocab_size,
                               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     parallel.check_same(torch.cat([torch.tensor([len(r) for r in branches.tokens]), *branches.tokens]), "responses")
-    check_positions(prompt.numel(), branches.tokens, model.config.max_position_embeddings)
+    check_positions(prompt.numel(), branches.tokens, model.config)
 
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0

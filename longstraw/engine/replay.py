@@ -70,7 +70,7 @@ def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch
     rank passes its shard of the state and the same responses, and gets the same result."""
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
-    check_positions(state.length + 1, resp, model.config.max_position_embeddings)
+    check_positions(state.length + 1, resp, model.config)
     parallel.check_agree("score settings", {"branch_batch": branch_batch, "branches": len(resp)})
     out: list[torch.Tensor] = []
     for b in range(0, len(resp), branch_batch):
@@ -113,7 +113,7 @@ def replay(
     several calls, or over the data-parallel groups, whose buffers add up. Returns the loss statistics summed over
     the data-parallel groups (a collective over them: each group replays its slice)."""
     check_state(model, state, parallel)
-    check_positions(state.length + 1, branches.tokens, model.config.max_position_embeddings)
+    check_positions(state.length + 1, branches.tokens, model.config)
     parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
                                              "branches": len(branches), "checkpoint_layers": engine.checkpoint_layers})
     # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), padded

@@ -6,8 +6,9 @@ directories; `protocol.py` states what the engine needs of a model.
 """
 
 from .checkpoint import load_model, meta_model, read_config, write_weights
+from .config import with_rope_scaling
 from .protocol import PrefixLM
 from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, build_model, config_from_hf
 
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "PrefixLM", "build_model", "config_from_hf", "load_model",
-           "meta_model", "read_config", "write_weights"]
+           "meta_model", "read_config", "with_rope_scaling", "write_weights"]

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .config import with_rope_scaling
 from .registry import build, cast
 
 log = logging.getLogger("longstraw")
@@ -94,17 +95,21 @@ def _fuse_experts(per_expert: dict[str, dict[int, dict[str, torch.Tensor]]]) -> 
     return fused
 
 
-def meta_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_model(path: str | Path, dtype: torch.dtype = torch.float32, rope_scaling: dict | None = None) -> nn.Module:
     """The model of an HF checkpoint directory on the meta device, in `dtype` (the family's fp32 tensors kept in
-    fp32): its structure from config.json alone, no weights read and no memory taken."""
+    fp32): its structure from config.json alone, no weights read and no memory taken. `rope_scaling`: as
+    `load_model`'s."""
     with torch.device("meta"):
-        model = build(read_config(path))
+        model = build(with_rope_scaling(read_config(path), rope_scaling))
     return cast(model, dtype)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Load an HF checkpoint directory (config.json + *.safetensors, sharded or not)."""
-    cfg = read_config(path)
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               rope_scaling: dict | None = None) -> nn.Module:
+    """Load an HF checkpoint directory (config.json + *.safetensors, sharded or not). `rope_scaling` (e.g.
+    {"rope_type": "yarn", "factor": 8.0}) extends the positions of the config.json without editing it
+    (`models.config.with_rope_scaling`)."""
+    cfg = with_rope_scaling(read_config(path), rope_scaling)
     with torch.device("meta"):
         model = build(cfg)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -25,6 +25,7 @@ import torch
 from ..engine import EngineConfig, activation_bytes_per_token, boundary_interval
 from ..engine.chunks import checkpoint_every
 from ..lora import add_lora, check_lora_targets
+from ..models.config import with_rope_scaling
 from ..models.registry import build, build_model, config_from_hf
 from .state_size import state_size
 
@@ -91,10 +92,13 @@ def adapter_parameters(hf_config: dict, r: int, target_modules: list[str]) -> in
 
 def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
          chunk: int = 2048, responses: int = 8, response_tokens: int = 1024, activation_bytes: int | None = None,
-         lora: dict | None = None) -> dict:
+         lora: dict | None = None, rope_scaling: dict | None = None) -> dict:
     """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them). With
     `lora` ({r, target_modules}), the adapters' count replaces the parameters in the gradients and the optimizer
-    (fp32 adapters: weights, gradients and two moments, 16 bytes each), and the base weights are frozen bf16."""
+    (fp32 adapters: weights, gradients and two moments, 16 bytes each), and the base weights are frozen bf16.
+    `rope_scaling` (as `load_model`'s) extends the model's positions; `positions_accepted` says whether capture
+    takes prompt + response (`*_fits` count the memory only)."""
+    hf_config = with_rope_scaling(hf_config, rope_scaling)
     c = sp or gpus
     if gpus % c or c < 1:
         raise ValueError(f"--sp {c} must divide --gpus {gpus}")
@@ -146,8 +150,15 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
                      "one branch's activations": branch_act},
         "prompt_order": "layers" if by_layer else "chunks", "layer_major_bytes": checkpoints,
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
-        "detached_fits": detached <= budget,
+        "detached_fits": detached <= budget, **_positions(meta.config, tokens + response_tokens),
     }
+
+
+def _positions(model_cfg, positions: int) -> dict:
+    """Prompt + response positions against what the model accepts (the engine's check)."""
+    ok = positions <= model_cfg.max_positions
+    return {"positions": positions, "max_positions": model_cfg.max_positions, "positions_accepted": ok,
+            "rope_scaling_needed": None if ok else model_cfg.scaling_for(positions)}
 
 
 def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
@@ -172,8 +183,14 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
              "(measured on one- and two-layer proxies)", "per rank:"]
     for name, b in r["per_rank"].items():
         lines.append(f"  {name:<26}{gb(b)}")
+    ok = r.get("positions_accepted", True)
+    if "positions" in r:
+        lines.append(f"positions: {r['positions']:,} (prompt + response) " + (
+            f"<= {r['max_positions']:,} accepted" if ok else f"> {r['max_positions']:,} accepted: capture would "
+            f"refuse this prompt; add --rope-scaling {r['rope_scaling_needed']}"))
     for mode in ("exact", "detached"):
-        verdict = "fits" if r[f"{mode}_fits"] else "does NOT fit"
+        verdict = ("fits" if ok else "capture would refuse the prompt (positions), though it fits in memory") \
+            if r[f"{mode}_fits"] else "does NOT fit"
         lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}")
     for mode, n in (("exact", fit_exact), ("detached", fit_detached)):
         lines.append(f"smallest N for {mode}: {n if n else 'more than 4096'} GPUs (ZeRO-{r['zero']}, one group)")

@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from ..config import StepConfig, torch_dtype
 from ..engine import grpo_backward
 from ..memory import PeakMeter
-from ..models import build_model, load_model
 from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel, full_tensor, local_shard, shard_model
 from ..parallel.launch import torchrun
 
@@ -40,7 +39,7 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
     dtype = torch_dtype(cfg.dtype)
     torch.manual_seed(cfg.seed)
     spec = cfg.model
-    model = load_model(spec.path, dtype=dtype, device=device) if spec.path else build_model(spec.random, dtype, device)
+    model = spec.load(dtype, device)
     if zero_stage:
         shard_model(model, zero_stage, parallel)
     param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
@@ -104,13 +103,16 @@ def sharded_worker(cfg: StepConfig, out: str | None = None) -> list[dict] | None
     return results
 
 
-def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool = True) -> list[dict]:
-    """The one-process step, then the sharded one on `nproc` local ranks, compared."""
+def run_step_nproc(cfg: StepConfig, config_path: str, nproc: int, progress: bool = True,
+                   extra_args: list[str] = ()) -> list[dict]:
+    """The one-process step, then the sharded one on `nproc` local ranks (`extra_args`: the command line's options
+    that the config file lacks), compared."""
     one, ref = _modes(cfg, cfg.modes, progress)
     _errors(one, ref, lambda _: ref.get("naive"), "vs_naive")
     with tempfile.TemporaryDirectory() as d:
         done = torchrun("longstraw.cli", ["step", "--config", config_path, "--zero", str(cfg.zero_stage),
-                                          "--sharded-worker", d], nproc, cfg.threads, capture_output=True, text=True)
+                                          "--sharded-worker", d, *extra_args], nproc, cfg.threads,
+                        capture_output=True, text=True)
         if done.returncode or not Path(d, "results.json").is_file():
             raise RuntimeError(f"the {nproc}-rank step failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         sharded = json.loads(Path(d, "results.json").read_text())

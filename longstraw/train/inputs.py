@@ -19,7 +19,6 @@ from ..data import Example, check_vocab, load_tokenizer
 from ..grpo import group_advantages
 from ..grpo.rewards import compute_rewards, get_reward
 from ..lora import check_lora_targets
-from ..models.checkpoint import read_config
 from ..models.registry import build, config_from_hf
 from ..files import Artefact
 from ..store import load_rollout
@@ -49,7 +48,7 @@ def preflight(cfg: TrainConfig) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     ids = prompt_ids(tok, step_example(cfg, tok, 0, 0))
     get_reward(cfg.reward or cfg.task)
-    hf = read_config(cfg.model.path) if cfg.model.path else cfg.model.random
+    hf = cfg.model.hf_config()
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
     if cfg.lora is not None:  # the targets name modules of this model (checked on a weightless copy)
@@ -58,10 +57,10 @@ def preflight(cfg: TrainConfig) -> None:
     if len(ids) - 1 < (sp := cfg.pipeline.sequence_parallel):
         raise ValueError(f"a prompt of {len(ids)} tokens leaves some of the {sp} sequence-parallel ranks without a "
                          "token; raise prompt_tokens or lower pipeline.sp")
-    if len(ids) + cfg.max_new_tokens > mc.max_position_embeddings:
-        raise ValueError(f"a prompt of {len(ids)} tokens (prompt_tokens {cfg.prompt_tokens} and the chat template) "
-                         f"+ max_new_tokens {cfg.max_new_tokens} exceeds the model's max_position_embeddings "
-                         f"{mc.max_position_embeddings}; lower prompt_tokens or use a long-context checkpoint")
+    if len(ids) + cfg.max_new_tokens > mc.max_positions:
+        raise ValueError(mc.positions_error(f"a prompt of {len(ids):,} tokens (prompt_tokens {cfg.prompt_tokens} and "
+                                            f"the chat template) + max_new_tokens {cfg.max_new_tokens}",
+                                            len(ids) + cfg.max_new_tokens) + "; or lower prompt_tokens")
 
 
 # ---- the reward --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..config import ModelSpec
 from ..data import Example, Tokenizer, check_vocab, load_tokenizer
 from ..engine import capture
 from ..files import atomic_output
-from ..models import build_model, load_model, write_weights
+from ..models import write_weights
 from ..problems import get_problem, make_problem
 from ..rollout import rollout
 
@@ -147,7 +147,7 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(cfg.tokenizer)
-    model = load_model(cfg.model.path) if cfg.model.path else build_model(cfg.model.random)
+    model = cfg.model.load()
     check_vocab([tok.vocab_size - 1], model.config.vocab_size, "tokenizer vocab")
     prompt_tokens, curriculum, options = cfg.settings()
     evals = [make_problem(cfg.task, 10_000_000 + i, prompt_tokens, tok, **options) for i in range(cfg.eval_examples)]

@@ -40,7 +40,7 @@ from ..engine import (Branches, capture, naive_backward, new_dstate, prompt_back
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
-from ..models import build_model, load_model, meta_model
+from ..models import load_model, meta_model
 from ..parallel import shard_from_rank0, shard_model
 from ..rollout import Sample, rollout
 from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
@@ -126,7 +126,8 @@ class Worker:
         stage = self.cfg.optim.zero_stage if stage is None else stage
         skeleton = None
         if stage >= 2 and weights_dir is not None:  # ZeRO-2/3: several ranks
-            skeleton = self._agree(lambda: meta_model(weights_dir, torch_dtype(self.cfg.dtype)))
+            skeleton = self._agree(lambda: meta_model(weights_dir, torch_dtype(self.cfg.dtype),
+                                                      self.cfg.model.rope_override))
             if skeleton.config.tie_word_embeddings:  # the meta path would untie them
                 skeleton = None
         if skeleton is None:
@@ -156,8 +157,7 @@ class Worker:
             lora = None if cfg.lora is None else cfg.lora.model_dump()
 
             def read() -> nn.Module:
-                model = (load_model(cfg.model.path, dtype=dtype, device=self.device) if cfg.model.path
-                         else build_model(cfg.model.random, dtype, self.device))
+                model = cfg.model.load(dtype, self.device)
                 # adapters initialised from the run's seed too (B = 0: the base model's outputs)
                 return model if lora is None else add_lora(model, **lora)
 

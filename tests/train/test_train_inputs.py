@@ -61,7 +61,7 @@ def test_non_finite_updates_are_skipped_or_refused():
     (dict(task="kv-retreival"), "unknown task 'kv-retreival'"),
     (dict(task_options={"key_char": 3}), r"task_options \['key_char'\] are not options of task 'kv-retrieval'; "
                                           "its options: key_chars, value_digits"),
-    (dict(prompt_tokens=1020), "exceeds the model's max_position_embeddings 1024"),
+    (dict(prompt_tokens=1020), "exceeds the model's 1,024 positions; extend them with RoPE scaling"),
 ])
 def test_preflight_fails_before_any_work(tmp_path, kw, match):
     cfg = make_cfg(tmp_path, **kw)

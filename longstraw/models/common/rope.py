@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SCALING_ROPE = ("linear", "llama3", "yarn")  # the types whose factor extends the positions
 
 
 @dataclass(frozen=True)
