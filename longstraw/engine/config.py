@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
         "with autograd: each layer keeps its input and runs again in the backward, so a chunk or branch holds one "
         "layer's activations at a time (one more forward of it); default: on when a whole chunk's (or branch "
         "batch's) activations would take more than a quarter of free memory")
+    head_chunk: int | None = Field(
+        None, ge=1, strict=True, description="tokens (all rows' positions together) per chunk of the LM head and "
+        "log-softmax in branch replay and naive mode; a chunk's logits are recomputed in the backward, so those of "
+        "all tokens never exist at once; default: 2**26 // vocab (256 MiB of fp32 logits a chunk)")
 
 
 def sqrt_interval(chunks: int) -> int:

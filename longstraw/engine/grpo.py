@@ -26,7 +26,7 @@ from .checks import check_positions
 from .chunks import check_prompt
 from .config import EngineConfig
 from .prompt import prompt_backward
-from .replay import LOSS_TOTALS, loss_backward, replay, token_logprobs
+from .replay import LOSS_TOTALS, loss_backward, replay
 
 MODES = ("naive", "detached", "exact")
 
@@ -67,7 +67,7 @@ def grpo_backward(
     state_bytes = grad_bytes = 0
     summed_here = _share_earlier_gradients(model, parallel)
     if mode == "naive":
-        totals = naive_backward(model, prompt, branches, loss, progress)
+        totals = naive_backward(model, prompt, branches, loss, progress, head_chunk=engine.head_chunk)
     else:
         exact = mode == "exact"
         state = capture(model, prompt, engine, parallel=parallel, exact=exact, progress=progress)
@@ -89,6 +89,7 @@ def grpo_backward(
         "loss": totals["loss"],
         "clip_frac": totals["clipped_tokens"] / tokens,
         "kl": totals["kl_sum"] / tokens,
+        "entropy": totals["entropy_sum"] / tokens,
         "tokens": tokens,
         "prompt_tokens": prompt.numel(),
         "state_bytes": state_bytes,
@@ -98,14 +99,16 @@ def grpo_backward(
 
 
 def naive_backward(model: PrefixLM, prompt: torch.Tensor, branches: Branches, loss: GRPOConfig,
-                   progress: bool = False) -> dict[str, float]:
-    """Every branch forwards prompt + response with autograd (the reference); returns the loss statistics."""
+                   progress: bool = False, *, head_chunk: int | None = None) -> dict[str, float]:
+    """Every branch forwards prompt + response with autograd (the reference); returns the loss statistics. The
+    LM head runs over the response's positions only, `head_chunk` tokens at a time (`EngineConfig.head_chunk`)."""
     device = next(model.parameters()).device
     totals = dict.fromkeys(LOSS_TOTALS, 0.0)
     for i in tqdm(range(len(branches)), desc="naive branches", unit="branch", disable=not progress, leave=False):
-        r = branches.tokens[i]
-        logits = model(torch.cat([prompt, r[:-1]]).to(device)[None], logits_from=prompt.numel() - 1)
-        loss_backward(branches.select([i]), [token_logprobs(logits[0], r.to(device))], loss, totals)
+        r = branches.tokens[i].to(device)
+        logp, ent = model.token_logprobs(torch.cat([prompt.to(device), r[:-1]])[None], r[None],
+                                         logits_from=prompt.numel() - 1, head_chunk=head_chunk, entropy=True)
+        loss_backward(branches.select([i]), [logp[0]], loss, totals, [ent[0]])
     return totals
 
 

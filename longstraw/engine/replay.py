@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig, branch_loss
+from ..models.common.head import logprobs_from_logits
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, PrefixView, Segment
@@ -21,13 +22,9 @@ from .checks import as_responses, check_positions, check_state
 from .chunks import gradients_summed_over_group
 from .config import EngineConfig
 
-LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum")
+LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum")
 
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[targets], computed in fp32 (or fp64 for fp64 models)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+token_logprobs = logprobs_from_logits  # log softmax(logits)[targets] in fp32 (fp64 for fp64 models), of given logits
 
 
 def replay_logprobs(
@@ -39,13 +36,17 @@ def replay_logprobs(
     parallel: SequenceGroup = ONE_RANK,
     spread_to: int | None = None,
     checkpoint_layers: bool = False,
-) -> list[torch.Tensor]:
+    head_chunk: int | None = None,
+    entropy: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
     The state is read, never written; with `grad` (dState sinks), backward adds dLoss/dPrefix of the per-token
     layers into it. `prefix` overrides the layers' states (exact mode passes `leaf()`s, views of the state).
     `spread_to`: the ranks of `parallel` replay different responses, all padded to that many tokens (`Segment`'s
-    spread). `checkpoint_layers`: each layer keeps only its input for the backward.
+    spread). `checkpoint_layers`: each layer keeps only its input for the backward. The LM head runs over
+    `head_chunk` tokens at a time (the model's `token_logprobs`; None: its default), so the logits of the whole
+    batch never exist at once. With `entropy`, also each token's entropy (no autograd): (logps, entropies).
     """
     device = state.prompt_ids.device
     longest = spread_to or max(r.numel() for r in responses)
@@ -59,28 +60,32 @@ def replay_logprobs(
     view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
     seg = Segment(start=state.length, prefix=view, spread=spread_to is not None, checkpoint_layers=checkpoint_layers)
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
-    logp = token_logprobs(model(inputs, seg), targets)
-    return [logp[i, : r.numel()] for i, r in enumerate(responses)]
+    out = model.token_logprobs(inputs, targets, seg, head_chunk=head_chunk, entropy=entropy)
+    logp, ent = out if entropy else (out, None)
+    logps = [logp[i, : r.numel()] for i, r in enumerate(responses)]
+    return (logps, [ent[i, : r.numel()] for i, r in enumerate(responses)]) if entropy else logps
 
 
 @torch.no_grad()
 def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch: int = 1, *,
-          parallel: SequenceGroup = ONE_RANK) -> list[torch.Tensor]:
-    """Per-token log-probabilities of each response given the captured prompt (no autograd). On a group, every
-    rank passes its shard of the state and the same responses, and gets the same result."""
+          parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each response given the captured prompt (no autograd), the LM head over
+    `head_chunk` tokens at a time (`EngineConfig.head_chunk`). On a group, every rank passes its shard of the
+    state and the same responses, and gets the same result."""
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config)
     parallel.check_agree("score settings", {"branch_batch": branch_batch, "branches": len(resp)})
     out: list[torch.Tensor] = []
     for b in range(0, len(resp), branch_batch):
-        out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel)
+        out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel, head_chunk=head_chunk)
     return out
 
 
-def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfig, totals: dict[str, float]) -> None:
+def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfig, totals: dict[str, float],
+                  entropies: list[torch.Tensor] | None = None) -> None:
     """Back-propagate the GRPO loss of `branches` (their log-probs `logps`, with autograd); add its statistics
-    into `totals`."""
+    into `totals` (with `entropies`, each branch's per-token entropies, their sum as `entropy_sum`)."""
     total = 0.0
     for i, lp in enumerate(logps):
         old = None if branches.old_logprobs is None else branches.old_logprobs[i]
@@ -91,6 +96,8 @@ def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfi
             continue
         for key, val in st.items():
             totals[key] += val
+        if entropies is not None:
+            totals["entropy_sum"] += float(entropies[i].sum())
     total.backward()
 
 
@@ -132,9 +139,9 @@ def replay(
           gradients_summed_over_group(model, parallel, spread)):
         for b in range(0, len(branches), engine.branch_batch):
             batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
-            logps = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel, pad if spread else None,
-                                    checkpointed)
-            loss_backward(batch, logps, loss, totals)
+            logps, entropies = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel,
+                                               pad if spread else None, checkpointed, engine.head_chunk, entropy=True)
+            loss_backward(batch, logps, loss, totals, entropies)
             bar.update(len(batch))
     for i, leaf in enumerate(leaves or []):
         if (g := leaf.leaf_grad()) is not None:

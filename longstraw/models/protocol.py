@@ -31,6 +31,13 @@ class PrefixLM(Protocol):
     def __call__(self, input_ids: torch.Tensor, seg: Segment | None = None, logits_from: int = 0) -> torch.Tensor:
         """Logits [B, T - logits_from, V] of positions seg.start + logits_from.. over the segment's prefix."""
 
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, seg: Segment | None = None,
+                       logits_from: int = 0, head_chunk: int | None = None, entropy: bool = False
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """log softmax(logits)[targets] [B, T - logits_from] (fp32, fp64 for fp64 models) as from `__call__`,
+        with the LM head run over `head_chunk` tokens at a time and recomputed in the backward: no tokens x vocab
+        tensor is made or saved. With `entropy`, (logp, each position's entropy without autograd)."""
+
     decoder_layers: nn.ModuleList  # each with `capture` and `emit_state` (models/common/decoder.py)
     layers_stand_alone: bool  # no layer reads another layer's output in its segment (DSA's shared selection)
 

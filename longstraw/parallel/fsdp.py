@@ -11,8 +11,9 @@ Why FSDP2 and not DeepSpeed's ZeRO engine:
   read child weights directly (MLA's absorbed `kv_b_proj.weight`, Gated DeltaNet's `conv1d.weight`, the fused MoE
   experts). DeepSpeed ZeRO-3 gathers a parameter only around the forward of the module that owns it, and each of
   those reads would need `register_external_parameter`.
-- Capture calls methods other than `forward` (`emit_states`, a layer's `capture` / `emit_state`), and
-  `register_fsdp_forward_method` gathers for them too. DeepSpeed's engine wraps `forward` only.
+- Capture calls methods other than `forward` (`emit_states`, a layer's `capture` / `emit_state`), replay the
+  model's `token_logprobs` (the chunked LM head, recomputed in the backward), and `register_fsdp_forward_method`
+  gathers for them too. DeepSpeed's engine wraps `forward` only.
 - Exact mode runs one autograd backward per branch batch and one per prompt chunk in a step, from the emitted
   state as well as from the loss. FSDP2 reduce-scatters after each, into the sharded gradient. DeepSpeed's engine
   expects one `engine.backward(loss)` per micro-step.
@@ -53,7 +54,7 @@ from .sequence import ONE_RANK, SequenceGroup
 
 STAGES = (2, 3)
 LAYER_METHODS = ("capture", "emit_state")  # what capture calls on a layer instead of forward
-MODEL_METHODS = ("emit_states", "emit_states_by_layer", "embed")
+MODEL_METHODS = ("emit_states", "emit_states_by_layer", "embed", "token_logprobs")
 
 # The capture methods return the emitted state's tensors, some of them views (a transposed K/V). The engine
 # never writes into them in place, which is what FSDP warns about.

@@ -165,10 +165,11 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
         inputs, targets = _batch(pairs, tok.pad_id)
         # the LM head only where some row has an answer token (prompts are most of the sequence)
         first = min(len(p) for p, _ in pairs) - 1
-        logits = model(inputs, logits_from=first)
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), targets[:, first:].flatten(), ignore_index=-100
-        )
+        # cross-entropy of the answer tokens (-100: none), the LM head in chunks (no [B, T, vocab] logits at once)
+        answer = targets[:, first:]
+        scored = answer != -100
+        logp = model.token_logprobs(inputs, answer.clamp(min=0), logits_from=first)
+        loss = -torch.where(scored, logp, 0.0).sum() / scored.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...state import LayerState, Segment
+from .head import chunked_logprobs, default_head_chunk
 from .mixer import TokenMixer
 from .recompute import recomputed
 from .rope import Rotary
@@ -115,6 +116,24 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = self._layer(layer, x, rope, seg)
         return self.lm_head(self.model.norm(x[:, logits_from:]))
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, seg: Segment | None = None,
+                       logits_from: int = 0, head_chunk: int | None = None, entropy: bool = False
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """log softmax(logits)[targets] [B, T - logits_from] of positions >= `logits_from` (targets: that shape),
+        in fp32 (fp64 for fp64 models), as `forward` + `token_logprobs` would give, but the norm, LM head and
+        log-softmax run over `head_chunk` tokens at a time (default: `default_head_chunk(vocab)`, 256 MiB of fp32
+        logits), each chunk recomputed in the backward (head.py): the logits of all the tokens never exist at
+        once. With `entropy`, also each position's entropy (no autograd): (logp, entropy)."""
+        seg = seg or Segment()
+        x, rope = self._start(input_ids, seg)
+        for layer in self.model.layers:
+            x = self._layer(layer, x, rope, seg)
+        chunk = default_head_chunk(self.config.vocab_size) if head_chunk is None else head_chunk
+        return chunked_logprobs(self._head, x[:, logits_from:], targets, chunk, entropy)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))
 
     def emit_states(self, input_ids: torch.Tensor, seg: Segment) -> None:
         """Prompt capture: every layer emits its state into `seg`; the last one skips its output, and no LM head."""
