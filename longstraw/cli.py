@@ -78,18 +78,22 @@ def _state_size(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .config import parse_rope_scaling
     from .models import read_config
-    from .tools.plan import format_plan, measured_activation_bytes, plan, smallest_fit
+    from .tools.activations import activation_profile
+    from .tools.plan import flat_profile, format_plan, plan, smallest_fit
     from .tools.work import format_work, step_time, step_work
 
     cfg = read_config(args.config)
     rope = parse_rope_scaling(args.rope_scaling) if args.rope_scaling else None
     lora = None if args.lora is None else {"r": args.lora, "target_modules": args.lora_targets}
-    act = int(args.activation_kb * 1e3) if args.activation_kb else measured_activation_bytes(cfg, lora)
-    kw = dict(zero=args.zero, chunk=args.chunk, responses=args.responses, response_tokens=args.response_tokens,
-              activation_bytes=act, lora=lora, rope_scaling=rope)
+    profile = flat_profile(cfg, int(args.activation_kb * 1e3)) if args.activation_kb else \
+        activation_profile(cfg, lora)
+    ckpt = {"auto": None, "on": True, "off": False}[args.checkpoint_layers]
+    kw = dict(zero=args.zero, chunk=args.chunk, checkpoint_layers=ckpt, responses=args.responses,
+              response_tokens=args.response_tokens, profile=profile, lora=lora, rope_scaling=rope,
+              precision=args.precision, offload=args.offload)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
-    work = step_work(cfg, args.tokens, r["sp"], args.chunk, args.responses, args.response_tokens, dp=r["dp"],
+    work = step_work(cfg, args.tokens, r["sp"], r["chunk"], args.responses, args.response_tokens, dp=r["dp"],
                      zero=args.zero, by_layer=r["prompt_order"] == "layers")
     time = step_time(work, args.tflops, args.link_gbps)
     print(format_plan(r, *fits))
@@ -153,7 +157,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--gpu-mem-gb", type=float, required=True)
     p.add_argument("--zero", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
     p.add_argument("--sp", type=int, help="sequence-parallel group size (default: all GPUs)")
-    p.add_argument("--chunk", type=int, default=2048, help="prompt chunk")
+    p.add_argument("--chunk", type=int, help="prompt chunk (default: the largest that fits, searched)")
+    p.add_argument("--checkpoint-layers", choices=("auto", "on", "off"), default="auto",
+                   help="per-layer activation checkpointing (default auto: off if that fits, searched)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: bf16 weights and compute, fp32 master weights and moments (default); fp32")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                   help="optimizer offload: master weights and moments on the host (DeepSpeed's CPU Adam)")
     p.add_argument("--responses", type=int, default=8, help="G")
     p.add_argument("--response-tokens", type=int, default=1024, help="R")
     p.add_argument("--activation-kb", type=float, help="activations per token (KB) instead of measuring them")

@@ -111,7 +111,7 @@ def test_top_k_top_p_filtering():
 def test_bad_arguments():
     model = tiny_model(max_position_embeddings=64)
     state = ls.capture(model, torch.randint(0, 97, (50,)))
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(ValueError, match="exceeds the model.s 64 positions; extend them with RoPE scaling"):
         ls.rollout(model, state, n=2, max_new_tokens=20)
     with pytest.raises(ValueError, match="n >= 1"):
         ls.rollout(model, state, n=0, max_new_tokens=2)

@@ -1,84 +1,78 @@
-"""`longstraw plan`: bytes per rank of one exact (or detached) GRPO step on N GPUs, from config.json alone.
+"""`longstraw plan`: bytes per rank of one exact (or detached) GRPO step on N GPUs, from config.json alone, for
+the GPU path, and the prompt chunk and per-layer checkpointing that fit (searched, unless given).
 
 Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the branches):
-- parameters, gradients and optimizer state under ZeRO stage z (mixed precision as DeepSpeed counts it: bf16
-  weights and gradients, fp32 master weights and AdamW moments = 12 bytes per parameter);
+- model state (`model_state_bytes`): weights, gradients, fp32 master weights and AdamW moments by precision
+  (`bf16`: bf16 weights and compute, fp32 master and moments; `fp32`), ZeRO stage and optimizer offload (the
+  master and moments on the host);
 - the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
   holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
 - under ZeRO-3, the layer-major prompt backward's checkpoints (engine/prompt_by_layer.py), when they fit a
-  quarter of the GPU as the engine's `prompt_order: auto` requires;
-- one prompt chunk's autograd activations (a rank's block of it: the split schedule), measured on proxies of one
-  and two layers of each layer kind (`engine/budget.py`), with all prompt-chunk graphs recomputed
-  (`prompt_graph_budget: 0`).
-
-The engine runs every stage: 0, 1 (`optim.zero_stage: 1`, torch's ZeroRedundancyOptimizer), 2 and 3 (FSDP2,
-`longstraw.parallel.shard_model`). Boundary states follow the engine's rule: all of a rank's if they take at
-most an eighth of the GPU, else every k-th with k = ceil(sqrt(chunks per rank)), plus up to k regenerated.
+  quarter of the GPU as the engine's `prompt_order: auto` requires, and FSDP's gathered units: the largest layer
+  and the one prefetched after it, and the root (embedding and LM head);
+- the larger of two peaks of autograd work (tools/activations.py: saved bytes per token of each layer kind,
+  measured on proxies, the GPU kernels' tensors where they differ from the CPU path):
+  - a prompt chunk's (a rank's block of it; every graph recomputed, `prompt_graph_budget: 0`): its layers'
+    activations (with `checkpoint_layers`, every layer's input and one layer's), the whole chunk's queries that
+    each attention layer gathers and keeps, and in the backward of an attention layer the gradient of the
+    rank's prefix rows of that layer (and DSA's candidates: chunk x top-k);
+  - a branch's: its activations the same way, and the LM head's logits of `head_chunk` positions (fp32 logits,
+    their log-softmax and its gradient).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from ..engine import EngineConfig, activation_bytes_per_token, boundary_interval
+from ..engine import EngineConfig, boundary_interval
 from ..engine.chunks import checkpoint_every
-from ..lora import add_lora, check_lora_targets
+from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
-from ..models.registry import build, build_model, config_from_hf
+from ..models.registry import build, config_from_hf
+from .activations import ActivationProfile, LayerKind, activation_profile
 from .state_size import state_size
 
-def _proxies(hf_config: dict) -> list[tuple[int, dict, bool]]:
-    """(how many layers, a config of one such layer, whether the last layer is one) for each distinct layer kind;
-    small vocab, MoE cut to the experts a token uses (what a token's activations depend on)."""
-    cfg = dict(hf_config.get("text_config") or hf_config) if hf_config["model_type"] == "qwen3_5" else dict(hf_config)
-    cfg.update(vocab_size=256, tie_word_embeddings=False)
-    model_cfg = config_from_hf(hf_config)
-    if hf_config["model_type"] in ("qwen3_5", "qwen3_5_text"):
-        cfg["model_type"] = "qwen3_5_text"
-        kinds, key = model_cfg.layer_types, "layer_types"
-    elif hf_config["model_type"] == "glm_moe_dsa":
-        cfg.update(n_routed_experts=cfg["num_experts_per_tok"], n_group=1, topk_group=1)
-        kinds, key = model_cfg.mlp_layer_types, "mlp_layer_types"
+CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the prompt chunks the search tries
+LOGIT_BYTES = 4 + 4 + 4 + 2  # per logit of a head chunk: fp32 logits, log-softmax, its gradient; bf16 logits
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def default_head_chunk(vocab: int) -> int:
+    """Positions per LM-head chunk: about 2^26 logits (256 MB in fp32)."""
+    return max(1, 2**26 // vocab)
+
+
+def model_state_bytes(params: int, adapters: int, zero: int, ranks: int, precision: str = "bf16",
+                      offload: str = "none") -> dict[str, float]:
+    """Bytes per rank of weights, gradients and optimizer state ("parameters", "gradients", "optimizer" on the
+    device; "host": what optimizer offload keeps in host memory or on NVMe).
+
+    bf16: bf16 weights (ZeRO-3: their shards) and gradients, fp32 master weights and AdamW moments (sharded from
+    ZeRO-1; FSDP at ZeRO-2/3 keeps the master as its shards and reduces gradients in fp32). fp32: the weights are
+    the master. With LoRA (`adapters` > 0) the base weights are frozen (no gradient, no optimizer) and the fp32
+    adapters are trained."""
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {precision!r}: choose bf16 (with fp32 master weights) or fp32")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload {offload!r}: choose one of {', '.join(OFFLOADS)}")
+    shard = lambda stage: ranks if zero >= stage else 1  # noqa: E731
+    width = 2 if precision == "bf16" else 4
+    if adapters:
+        weights = width * params / shard(3) + 4 * adapters / shard(3)
+        grads = 4 * adapters / shard(2)
+        master, moments = 0.0, 8 * adapters / shard(1)
     else:
-        return [(model_cfg.num_hidden_layers, cfg, True)]
-    return [(kinds.count(k), {**cfg, key: [k]}, k == kinds[-1]) for k in dict.fromkeys(kinds)]
-
-
-def _layers(cfg: dict, n: int) -> dict:
-    """`cfg` with n layers of its one kind."""
-    out = {**cfg, "num_hidden_layers": n}
-    for key in ("layer_types", "mlp_layer_types"):
-        if key in cfg:
-            out[key] = cfg[key] * n
-    if cfg["model_type"] == "glm_moe_dsa":
-        out["indexer_types"] = ["full"] * n
-    return out
-
-
-def measured_activation_bytes(hf_config: dict, lora: dict | None = None) -> int:
-    """Autograd-saved bytes per prompt token of the whole model (bf16), from proxies of one and two layers of each
-    kind: a prompt chunk's last layer only emits its state, so a layer costs what the second one adds. With `lora`
-    (add_lora's arguments) the proxies carry the adapters and frozen weights, which save less (no input is kept
-    for a frozen weight's gradient)."""
-    def probe(cfg: dict) -> int:
-        torch.manual_seed(0)
-        model = build_model(cfg, dtype=torch.bfloat16)
-        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        present = [t for t in (lora or {}).get("target_modules", []) if any(n.endswith("." + t) for n in names)]
-        if present:  # a proxy of one layer kind has only that kind's modules
-            add_lora(model, r=lora["r"], target_modules=present)
-        elif lora is not None:
-            model.requires_grad_(False)
-        return activation_bytes_per_token(model)
-
-    total = 0
-    for count, cfg, has_last in _proxies(hf_config):
-        one = probe(_layers(cfg, 1))
-        layer = probe(_layers(cfg, 2)) - one
-        total += (count - 1) * layer + one if has_last else count * layer
-    return total
+        weights = width * params / shard(3)
+        grads = (4 if precision == "bf16" and zero >= 2 else width) * params / shard(2)
+        master = 4 * params / shard(1) if precision == "bf16" else 0.0
+        if precision == "bf16" and zero >= 3 and offload == "none":
+            weights = 0.0  # FSDP's shards are the fp32 master; bf16 copies exist only while a unit is gathered
+        moments = 8 * params / shard(1)
+    host = master + moments if offload != "none" else 0.0
+    return {"parameters": weights, "gradients": grads, "optimizer": 0.0 if host else master + moments, "host": host}
 
 
 def adapter_parameters(hf_config: dict, r: int, target_modules: list[str]) -> int:
@@ -90,35 +84,86 @@ def adapter_parameters(hf_config: dict, r: int, target_modules: list[str]) -> in
                if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in target_modules))
 
 
+def flat_profile(hf_config: dict, bytes_per_token: int) -> ActivationProfile:
+    """A profile of `bytes_per_token` for the whole model, spread evenly over its layers (`--activation-kb`)."""
+    cfg = config_from_hf(hf_config)
+    layers = cfg.num_hidden_layers
+    return ActivationProfile((LayerKind("layer", layers, -(-bytes_per_token // layers)),), layers,
+                             cfg.hidden_size * 2, 0)
+
+
+def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
+    """Per attention layer: the bytes per chunk token of the queries every rank gathers (and its split
+    attention keeps), the rank's prefix-row bytes of the largest such layer (their gradient in its backward),
+    DSA's candidates per token (top-k positions and scores), and how many layers attend."""
+    cfg = meta.config
+    states = meta.empty_state(1, torch.bfloat16, "meta")
+    rows = [s.bytes_per_token for s in states if s.token_axis is not None]
+    if cfg.model_type == "glm_moe_dsa":
+        query = cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 +             cfg.index_n_heads * cfg.index_head_dim * 2
+        candidates = cfg.index_topk * 12
+    else:
+        query, candidates = cfg.num_attention_heads * cfg.head_dim * 2, 0
+    return {"query": query, "prefix_grad": max(rows, default=0) * tokens_per_rank, "candidates": candidates,
+            "layers": len(rows)}
+
+
+def _gathered_units(meta, zero: int, precision: str) -> float:
+    """ZeRO-3: FSDP's bf16 copies of the units gathered at once: the largest layer and the next one it
+    prefetches, and the root (embedding and LM head) while the head or the embedding runs."""
+    if zero < 3:
+        return 0.0
+    width = 2 if precision == "bf16" else 4
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers)
+    root = sum(p.numel() for m in (meta.model.embed_tokens, meta.lm_head) for p in m.parameters(recurse=False))
+    return width * (2 * largest + root)
+
+
 def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
-         chunk: int = 2048, responses: int = 8, response_tokens: int = 1024, activation_bytes: int | None = None,
-         lora: dict | None = None, rope_scaling: dict | None = None) -> dict:
-    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them). With
-    `lora` ({r, target_modules}), the adapters' count replaces the parameters in the gradients and the optimizer
-    (fp32 adapters: weights, gradients and two moments, 16 bytes each), and the base weights are frozen bf16.
-    `rope_scaling` (as `load_model`'s) extends the model's positions; `positions_accepted` says whether capture
-    takes prompt + response (`*_fits` count the memory only)."""
+         chunk: int | None = None, checkpoint_layers: bool | None = None, responses: int = 8,
+         response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
+         lora: dict | None = None, rope_scaling: dict | None = None, precision: str = "bf16", offload: str = "none",
+         head_chunk: int | None = None) -> dict:
+    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
+    prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
+    those leaving a tenth of the GPU, then without checkpointing (one forward less), then the largest chunk
+    (fewer steps and weight gathers); when none fits, the smallest footprint.
+
+    `profile` (tools/activations.py; measured when None) or `activation_bytes` (a flat figure per token) give the
+    activations. With `lora` ({r, target_modules}) the adapters are trained, the base weights frozen.
+    `rope_scaling` (as `load_model`'s) extends the model's positions: "fits" needs them to cover prompt +
+    response (`positions_accepted`)."""
     hf_config = with_rope_scaling(hf_config, rope_scaling)
     c = sp or gpus
     if gpus % c or c < 1:
         raise ValueError(f"--sp {c} must divide --gpus {gpus}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {zero}: ZeRO stages are 0, 1, 2, 3")
+    if profile is None:
+        profile = flat_profile(hf_config, activation_bytes) if activation_bytes else \
+            activation_profile(hf_config, _lora_args(lora))
+    chunks = [chunk] if chunk else [x for x in CHUNKS if x >= c]
+    ckpts = [checkpoint_layers] if checkpoint_layers is not None else [False, True]
+    options = [_plan_one(hf_config, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens, profile,
+                         lora, precision, offload, head_chunk) for k in ckpts for x in chunks]
+    fitting = [r for r in options if r["exact_fits"]]
+    if fitting:  # comfortably (a tenth of the GPU left for the allocator, CUDA and NCCL) before barely
+        best = min(fitting, key=lambda r: (r["exact_bytes"] > 0.9 * r["gpu_bytes"], r["checkpoint_layers"],
+                                           -r["chunk"]))
+    else:
+        best = min(options, key=lambda r: r["exact_bytes"])
+    return {**best, "searched": len(options) > 1}
+
+
+def _plan_one(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int, chunk: int,
+              ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile, lora: dict | None,
+              precision: str, offload: str, head_chunk: int | None) -> dict:
     with torch.device("meta"):
         meta = build(hf_config)
     params = sum(p.numel() for p in meta.parameters())
     size = state_size(hf_config, tokens, "bf16", chunk)
-    act = measured_activation_bytes(hf_config, _lora_args(lora)) if activation_bytes is None else activation_bytes
-    n = gpus
-    weights = 2 * params / (n if zero >= 3 else 1)
-    grads = 2 * params / (n if zero >= 2 else 1)
-    optim = 12 * params / (n if zero >= 1 else 1)
-    adapters = 0
-    if lora is not None:
-        adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"])
-        weights += 4 * adapters
-        grads = 4 * adapters / (n if zero >= 2 else 1)
-        optim = 8 * adapters / (n if zero >= 1 else 1)
+    adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
+    model_state = model_state_bytes(params, adapters, zero, gpus, precision, offload)
     rows = size["bytes_per_token"] * tokens / c
     state = rows + size["fixed_bytes"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
@@ -126,28 +171,39 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
     every = boundary_interval(EngineConfig(prompt_chunk=chunk), mine, size["fixed_bytes"], int(budget))
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
-    chunk_act = act * chunk / c  # a rank runs its block of each chunk only
     # ZeRO-3's layer-major prompt backward (engine/prompt_by_layer.py), when it fits a quarter of the GPU (its
-    # `auto` rule): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk
+    # `auto` rule): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk;
+    # it runs one layer at a time (no whole-chunk graph)
     layers = meta.config.num_hidden_layers
     k = checkpoint_every(layers)
     checkpoints = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
         size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
     by_layer = checkpoints if zero == 3 and checkpoints <= budget / 4 else 0.0
-    branches = max(1, responses // (gpus // c))
-    branch_act = act * response_tokens  # one branch at a time (branch_batch 1)
-    common = weights + grads + optim + state
-    exact = common + dstate + boundaries + by_layer + max(chunk_act, branch_act)
-    detached = common + branch_act  # its capture runs without autograd
+    block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
+    attn = _attention_extras(meta, tokens / c)
+    held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
+    chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
+    chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk
+    vocab = meta.config.vocab_size
+    head = min(head_chunk or default_head_chunk(vocab), response_tokens)
+    branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
+    branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c
+    gathered = _gathered_units(meta, zero, precision)
+    common = model_state["parameters"] + model_state["gradients"] + model_state["optimizer"] + state + gathered
+    exact = common + dstate + boundaries + by_layer + max(chunk_peak, branch_peak)
+    detached = common + branch_peak  # its capture runs without autograd
+    per_rank = {"parameters": model_state["parameters"], "gradients": model_state["gradients"],
+                "optimizer": model_state["optimizer"], "FSDP gathered units": gathered, "state shard": state,
+                "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
+                "one chunk's activations": chunk_act, "chunk backward transients": chunk_peak - chunk_act,
+                "one branch's activations": branch_act, "LM head chunk + queries": branch_peak - branch_act}
     return {
         "model_type": size["model_type"], "parameters": params, "adapter_parameters": adapters, "tokens": tokens,
-        "gpus": gpus, "sp": c,
-        "dp": gpus // c, "zero": zero, "chunk": chunk, "boundary_every": every, "branches_per_group": branches,
-        "activation_bytes_per_token": act, "gpu_bytes": budget,
-        "per_rank": {"parameters": weights, "gradients": grads, "optimizer": optim, "state shard": state,
-                     "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
-                     "one chunk's activations": chunk_act,
-                     "one branch's activations": branch_act},
+        "gpus": gpus, "sp": c, "dp": gpus // c, "zero": zero, "chunk": chunk, "checkpoint_layers": ckpt,
+        "precision": precision, "offload": offload, "host_bytes": model_state["host"], "head_chunk": head,
+        "boundary_every": every, "branches_per_group": max(1, responses // (gpus // c)),
+        "activation_bytes_per_token": profile.whole, "checkpointed_bytes_per_token": profile.per_token(True),
+        "gpu_bytes": budget, "per_rank": per_rank,
         "prompt_order": "layers" if by_layer else "chunks", "layer_major_bytes": checkpoints,
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
         "detached_fits": detached <= budget, **_positions(meta.config, tokens + response_tokens),
@@ -163,9 +219,12 @@ def _positions(model_cfg, positions: int) -> dict:
 
 def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
     """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096."""
-    act = kw.pop("activation_bytes", None) or measured_activation_bytes(hf_config, _lora_args(kw.get("lora")))
+    if kw.get("profile") is None:
+        act = kw.pop("activation_bytes", None)
+        kw["profile"] = flat_profile(with_rope_scaling(hf_config, kw.get("rope_scaling")), act) if act else \
+            activation_profile(hf_config, _lora_args(kw.get("lora")))
     for n in [2**i for i in range(13)]:
-        if plan(hf_config, tokens, n, gpu_mem_gb, activation_bytes=act, **kw)[f"{mode}_fits"]:
+        if plan(hf_config, tokens, n, gpu_mem_gb, **kw)[f"{mode}_fits"]:
             return n
     return None
 
@@ -178,11 +237,18 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     gb = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
     lines = [f"{r['model_type']}: {r['parameters'] / 1e9:.2f}B parameters, {r['tokens']:,} tokens, {r['gpus']} GPUs "
              f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
-             f"chunk {r['chunk']:,}" + (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters"
-                                        if r["adapter_parameters"] else ""), f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token "
-             "(measured on one- and two-layer proxies)", "per rank:"]
+             f"{r['precision']}" + (" (fp32 master)" if r["precision"] == "bf16" else "") +
+             (f", optimizer offload: {r['offload']}" if r["offload"] != "none" else "") +
+             (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters" if r["adapter_parameters"] else ""),
+             f"{'searched' if r.get('searched') else 'given'}: prompt chunk {r['chunk']:,}, per-layer checkpointing "
+             f"{'on' if r['checkpoint_layers'] else 'off'}, LM head in chunks of {r['head_chunk']:,} positions",
+             f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token, "
+             f"{r['checkpointed_bytes_per_token'] / 1e3:,.1f} KB checkpointed (proxies of each layer kind; GPU "
+             "kernels' saved tensors)", "per rank:"]
     for name, b in r["per_rank"].items():
-        lines.append(f"  {name:<26}{gb(b)}")
+        lines.append(f"  {name:<28}{gb(b)}")
+    if r["host_bytes"]:
+        lines.append(f"  {'host (offloaded optimizer)':<28}{gb(r['host_bytes'])}")
     ok = r.get("positions_accepted", True)
     if "positions" in r:
         lines.append(f"positions: {r['positions']:,} (prompt + response) " + (
@@ -191,7 +257,8 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     for mode in ("exact", "detached"):
         verdict = ("fits" if ok else "capture would refuse the prompt (positions), though it fits in memory") \
             if r[f"{mode}_fits"] else "does NOT fit"
-        lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}")
+        spare = f", {(r['gpu_bytes'] - r[f'{mode}_bytes']) / 1e9:,.1f} GB to spare" if r[f"{mode}_fits"] else ""
+        lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}{spare}")
     for mode, n in (("exact", fit_exact), ("detached", fit_detached)):
         lines.append(f"smallest N for {mode}: {n if n else 'more than 4096'} GPUs (ZeRO-{r['zero']}, one group)")
     if r["boundary_every"] > 1:

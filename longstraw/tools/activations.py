@@ -1,0 +1,152 @@
+"""What a step's autograd work holds per token, for the planner: each layer kind's saved bytes, measured on CPU
+proxies of one and two layers of that kind (bf16), with the ops whose GPU kernels save other tensors than the CPU
+path counted as the GPU kernels save them.
+
+- Attention (dense, gated, absorbed MLA, DSA's sparse attention) saves q, k, v, out and the log-sum-exp on both
+  paths (ops/attention.py, ops/sparse_attention.py: flash-style autograd functions), so the CPU measure holds.
+- The gated delta rule (Qwen3.5's linear layers) runs flash-linear-attention's chunk kernel on GPU, which saves
+  q, k (grouped to the value heads), v, their L2-norm factors, the cumulative gate, beta and the chunk-local
+  matrix A [64 per value head]; the torch chunked form on CPU saves about 6x more (its per-chunk matrices). The
+  proxies count the kernel's tensors in place of the torch form's.
+- Linear layers, norms, the MLP / MoE and the short convolution are the same torch ops on both.
+
+Per-layer checkpointing (`EngineConfig.checkpoint_layers`) keeps each layer's input (hidden x 2 bytes) and one
+layer's activations at a time: `ActivationProfile.saved`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.budget import PROBE_TOKENS, activation_bytes_per_token
+from ..lora import add_lora
+from ..models.registry import build_model, config_from_hf
+from ..ops import gated_delta
+
+FLA_CHUNK = 64  # flash-linear-attention's chunk: A holds 64 entries per token and value head
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    name: str
+    count: int
+    bytes_per_token: int  # one layer of this kind, autograd-saved (GPU kernels' tensors)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    kinds: tuple[LayerKind, ...]
+    layers: int
+    hidden_bytes: int  # one layer's input per token (the hidden state)
+    last_saving: int  # the prompt chunk's last layer only emits its state: what it saves less than a full one
+
+    @property
+    def whole(self) -> int:
+        """Bytes per token of every layer's activations (a chunk or branch under one graph)."""
+        return sum(k.count * k.bytes_per_token for k in self.kinds) - self.last_saving
+
+    @property
+    def largest(self) -> int:
+        return max(k.bytes_per_token for k in self.kinds)
+
+    def per_token(self, checkpoint: bool) -> int:
+        """Bytes per token held at the peak of a chunk's (or branch's) backward: every layer's activations, or
+        with per-layer checkpointing every layer's input and one layer's activations."""
+        return self.layers * self.hidden_bytes + self.largest if checkpoint else self.whole
+
+
+def fla_saved_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes flash-linear-attention's chunk_gated_delta_rule saves for q, k [B, T, Hk, dk], v [B, T, Hv, dv] in
+    bf16: q and k repeated to the value heads, v, their fp32 L2-norm factors, the fp32 cumulative gate, beta
+    and A [T, Hv, 64] (fla/ops/gated_delta_rule/chunk.py's save_for_backward)."""
+    b, t, hv, dv = v.shape
+    dk = k.shape[-1]
+    rows = b * t * hv
+    return rows * (2 * (2 * dk + dv) + 4 + 4 + 4 + 2 + 2 * FLA_CHUNK)
+
+
+@contextmanager
+def gpu_kernels_counted() -> Iterator[list[int]]:
+    """Within, the torch chunked delta rule saves nothing for autograd that a `saved_tensors_hooks` outside sees;
+    the bytes the GPU kernel would save for each call add up in the yielded list's one entry."""
+    counted = [0]
+    torch_form = gated_delta.chunk_gated_delta_rule
+
+    def as_kernel(q, k, v, g, beta, initial_state=None, *args, **kw):
+        counted[0] += fla_saved_bytes(q, k, v)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return torch_form(q, k, v, g, beta, initial_state, *args, **kw)
+
+    gated_delta.chunk_gated_delta_rule = as_kernel
+    try:
+        yield counted
+    finally:
+        gated_delta.chunk_gated_delta_rule = torch_form
+
+
+def _proxies(hf_config: dict) -> list[tuple[str, int, dict, bool]]:
+    """(kind, how many layers, a config of one such layer, whether the last layer is one) for each distinct
+    layer kind; small vocab, MoE cut to the experts a token uses (what a token's activations depend on)."""
+    cfg = dict(hf_config.get("text_config") or hf_config) if hf_config["model_type"] == "qwen3_5" else dict(hf_config)
+    cfg.update(vocab_size=256, tie_word_embeddings=False)
+    model_cfg = config_from_hf(hf_config)
+    if hf_config["model_type"] in ("qwen3_5", "qwen3_5_text"):
+        cfg["model_type"] = "qwen3_5_text"
+        kinds, key = model_cfg.layer_types, "layer_types"
+    elif hf_config["model_type"] == "glm_moe_dsa":
+        cfg.update(n_routed_experts=cfg["num_experts_per_tok"], n_group=1, topk_group=1)
+        kinds, key = model_cfg.mlp_layer_types, "mlp_layer_types"
+    else:
+        return [("decoder", model_cfg.num_hidden_layers, cfg, True)]
+    return [(k, kinds.count(k), {**cfg, key: [k]}, k == kinds[-1]) for k in dict.fromkeys(kinds)]
+
+
+def _layers(cfg: dict, n: int) -> dict:
+    """`cfg` with n layers of its one kind."""
+    out = {**cfg, "num_hidden_layers": n}
+    for key in ("layer_types", "mlp_layer_types"):
+        if key in cfg:
+            out[key] = cfg[key] * n
+    if cfg["model_type"] == "glm_moe_dsa":
+        out["indexer_types"] = ["full"] * n
+    return out
+
+
+def _probe(cfg: dict, lora: dict | None, gpu: bool, dtype: torch.dtype) -> int:
+    """Saved bytes per token of a proxy model (`gpu`: the GPU kernels' tensors). With `lora` the proxy carries
+    the adapters and frozen weights, which save less (no input kept for a frozen weight's gradient)."""
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=dtype)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    present = [t for t in (lora or {}).get("target_modules", []) if any(n.endswith("." + t) for n in names)]
+    if present:  # a proxy of one layer kind has only that kind's modules
+        add_lora(model, r=lora["r"], target_modules=present)
+    elif lora is not None:
+        model.requires_grad_(False)
+    if not gpu:
+        return activation_bytes_per_token(model)
+    with gpu_kernels_counted() as kernel:
+        measured = activation_bytes_per_token(model)
+    # the kernel's bytes grow with the tokens alone: per token, over the two probe chunks (1x and 2x PROBE_TOKENS)
+    return measured + -(-kernel[0] // (3 * PROBE_TOKENS))
+
+
+def activation_profile(hf_config: dict, lora: dict | None = None, *, gpu: bool = True,
+                       dtype: torch.dtype = torch.bfloat16) -> ActivationProfile:
+    """Each layer kind's saved bytes per token, from proxies of one and two layers of it: a layer costs what the
+    second one adds; the first probe's difference to one layer is what the last layer of a prompt chunk saves
+    less (it only emits its state). `gpu`: the GPU kernels' tensors where they differ (else the CPU path's)."""
+    model_cfg = config_from_hf(hf_config)
+    kinds, saving = [], 0
+    for name, count, cfg, has_last in _proxies(hf_config):
+        one = _probe(_layers(cfg, 1), lora, gpu, dtype)
+        layer = _probe(_layers(cfg, 2), lora, gpu, dtype) - one
+        kinds.append(LayerKind(name, count, layer))
+        if has_last:
+            saving = max(0, layer - one)
+    width = torch.empty(0, dtype=dtype).element_size()
+    return ActivationProfile(tuple(kinds), model_cfg.num_hidden_layers, model_cfg.hidden_size * width, saving)
