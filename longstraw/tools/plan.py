@@ -23,12 +23,12 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
 from ..engine import EngineConfig, boundary_interval
 from ..engine.chunks import checkpoint_every
+from ..models.common.head import default_head_chunk
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
@@ -38,11 +38,6 @@ from .state_size import state_size
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the prompt chunks the search tries
 LOGIT_BYTES = 4 + 4 + 4 + 2  # per logit of a head chunk: fp32 logits, log-softmax, its gradient; bf16 logits
 OFFLOADS = ("none", "cpu", "nvme")
-
-
-def default_head_chunk(vocab: int) -> int:
-    """Positions per LM-head chunk: about 2^26 logits (256 MB in fp32)."""
-    return max(1, 2**26 // vocab)
 
 
 def model_state_bytes(params: int, adapters: int, zero: int, ranks: int, precision: str = "bf16",
@@ -144,8 +139,12 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
             activation_profile(hf_config, _lora_args(lora))
     chunks = [chunk] if chunk else [x for x in CHUNKS if x >= c]
     ckpts = [checkpoint_layers] if checkpoint_layers is not None else [False, True]
-    options = [_plan_one(hf_config, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens, profile,
-                         lora, precision, offload, head_chunk) for k in ckpts for x in chunks]
+    with torch.device("meta"):
+        meta = build(hf_config)
+    size = state_size(hf_config, tokens, "bf16")
+    adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
+    options = [_plan_one(meta, size, adapters, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
+                         profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
     fitting = [r for r in options if r["exact_fits"]]
     if fitting:  # comfortably (a tenth of the GPU left for the allocator, CUDA and NCCL) before barely
         best = min(fitting, key=lambda r: (r["exact_bytes"] > 0.9 * r["gpu_bytes"], r["checkpoint_layers"],
@@ -155,14 +154,12 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     return {**best, "searched": len(options) > 1}
 
 
-def _plan_one(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int, chunk: int,
-              ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile, lora: dict | None,
+def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
+              chunk: int, ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile,
               precision: str, offload: str, head_chunk: int | None) -> dict:
-    with torch.device("meta"):
-        meta = build(hf_config)
+    """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone)."""
+    size = {**size, "prompt_chunks": -(-tokens // chunk)}
     params = sum(p.numel() for p in meta.parameters())
-    size = state_size(hf_config, tokens, "bf16", chunk)
-    adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
     model_state = model_state_bytes(params, adapters, zero, gpus, precision, offload)
     rows = size["bytes_per_token"] * tokens / c
     state = rows + size["fixed_bytes"]
