@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel of this torch lies on the dev/CI machines; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# DeepSpeed (optim.offload: its CPU Adam) from its sdist, built against the torch above (no build isolation, which
+# would fetch another torch); its ops compile at first use (JIT, g++ and ninja), cached in .venv/torch_extensions.
+DEEPSPEED_PIN ?= deepspeed>=0.19,<0.20
 
 .PHONY: run test install bench clean
 
@@ -14,7 +17,10 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[pipeline,dev]"
+	$(PY) -m pip install -q -e ".[pipeline,dev,offload]"
+	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_PIN)"
+	$(PY) -c "from longstraw.train.offload import build_cpu_adam; print('DeepSpeed CPU Adam op in', build_cpu_adam())" \
+		|| echo "note: DeepSpeed's CPU Adam did not build now; optim.offload builds it at first use"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -22,8 +22,13 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    """The command line's overrides; under torchrun, its world size is the number of ranks."""
-    out = {key: getattr(args, key) for key in ("run_dir", "steps") if getattr(args, key, None) is not None}
+    """The command line's overrides; under torchrun, its world size is the number of ranks. A DeepSpeed config
+    named by $LONGSTRAW_DEEPSPEED_CONFIG (`infra/launch.sh --deepspeed`) comes first: the fields it honours
+    (longstraw/train/ds_config.py) override the YAML, the command line overrides both."""
+    from longstraw.train.ds_config import deepspeed_overrides
+
+    out = deepspeed_overrides()
+    out |= {key: getattr(args, key) for key in ("run_dir", "steps") if getattr(args, key, None) is not None}
     nproc = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else getattr(args, "nproc", None)
     if nproc is not None:
         out["pipeline"] = {"nproc": nproc}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Launch a LongStraw command on a GPU machine under torchrun (or DeepSpeed's launcher).
+# Launch a LongStraw command on a GPU machine under torchrun.
 #
 #   infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>
 #
 #   infra/launch.sh --nproc 1 -- train --config configs/train-tiny.yaml
-#   infra/launch.sh --nproc 1 --deepspeed infra/deepspeed/zero2.json -- step --config configs/tiny.yaml
+#   infra/launch.sh --nproc 2 --deepspeed infra/deepspeed/zero2.json -- train --config configs/train-tiny.yaml
 #
 # runs   torchrun --standalone --nproc-per-node N -m flows.cli <args...>
-# or     deepspeed --num_gpus N --module flows.cli <args...>   (with LONGSTRAW_DEEPSPEED_CONFIG=ds_config.json)
+#        with --deepspeed: the same, with LONGSTRAW_DEEPSPEED_CONFIG=<absolute path of ds_config.json> exported
 #
 # N defaults to the number of visible GPUs: the entries of CUDA_VISIBLE_DEVICES when it is set, else the lines of
 # `nvidia-smi -L`; 1 when there is no GPU. `flows.cli` is the module behind the installed `longstraw` command
@@ -18,8 +18,13 @@
 # groups (longstraw/parallel/), the one-process gradient on every rank; e.g.
 #   infra/launch.sh --nproc 8 -- step --config configs/tiny.yaml
 # `train` and `resume` under N > 1 become the ranks of one run (rank 0 drives; the world size is pipeline.nproc);
-# `sft` runs on one process. --deepspeed only exports the config's path as LONGSTRAW_DEEPSPEED_CONFIG, which
-# nothing reads yet: ZeRO-1 comes from torch (optim.zero_stage: 1), ZeRO-2/3 from FSDP2.
+# `sft` runs on one process. --deepspeed ds.json (train, resume, serve only) is read by those commands
+# (longstraw/train/ds_config.py): zero_optimization.stage, .offload_optimizer.device / .nvme_path, bf16.enabled,
+# the AdamW optimizer's params and gradient_clipping override the run config (the command line's options override
+# both); DeepSpeed's engine-tuning fields are ignored with a warning, and any other field is refused with the
+# LongStraw option to use instead. DeepSpeed's engine does not run: ZeRO-1 is torch's ZeroRedundancyOptimizer (or
+# LongStraw's partition with mixed precision / offload), ZeRO-2/3 FSDP2, and optimizer offload DeepSpeed's CPU Adam
+# (README "Mixed precision and optimizer offload").
 set -euo pipefail
 
 usage() {
@@ -86,20 +91,21 @@ fi
 
 if [[ -n "$DS_CONFIG" ]]; then
     [[ -f "$DS_CONFIG" ]] || die "DeepSpeed config '$DS_CONFIG' not found"
-    echo "note: no LongStraw command reads a DeepSpeed config yet (distributed issue); exported as LONGSTRAW_DEEPSPEED_CONFIG" >&2
+    case "$1" in
+        train|resume|serve) ;;
+        *) die "--deepspeed configures the optimizer of train, resume and serve; '$1' has none" ;;
+    esac
     LONGSTRAW_DEEPSPEED_CONFIG="$(cd "$(dirname "$DS_CONFIG")" && pwd)/$(basename "$DS_CONFIG")"
     export LONGSTRAW_DEEPSPEED_CONFIG
-    CMD=("${BIN}deepspeed" --num_gpus "$NPROC" --module "$MODULE" "$@")
-    if [[ -n "$BIN" && ! -x "${BIN}deepspeed" ]]; then CMD[0]="deepspeed"; fi
-else
-    CMD=("${BIN}torchrun" --standalone --nproc-per-node "$NPROC" -m "$MODULE" "$@")
-    if [[ -n "$BIN" && ! -x "${BIN}torchrun" ]]; then CMD[0]="torchrun"; fi
 fi
+CMD=("${BIN}torchrun" --standalone --nproc-per-node "$NPROC" -m "$MODULE" "$@")
+if [[ -n "$BIN" && ! -x "${BIN}torchrun" ]]; then CMD[0]="torchrun"; fi
 
 if [[ "$DRY_RUN" -eq 1 ]]; then
+    if [[ -n "$DS_CONFIG" ]]; then printf 'LONGSTRAW_DEEPSPEED_CONFIG=%q ' "$LONGSTRAW_DEEPSPEED_CONFIG"; fi
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
-command -v "${CMD[0]}" >/dev/null 2>&1 || die "'${CMD[0]}' not found (deepspeed: pip install -e '.[zero]')"
+command -v "${CMD[0]}" >/dev/null 2>&1 || die "'${CMD[0]}' not found (make install)"
 export PREFECT_SERVER_ANALYTICS_ENABLED="${PREFECT_SERVER_ANALYTICS_ENABLED:-false}"
 exec "${CMD[@]}"

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from .sequence import ONE_RANK, SequenceGroup
@@ -77,11 +77,17 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK,
-                mesh: DeviceMesh | None = None) -> nn.Module:
+                mesh: DeviceMesh | None = None, mixed_precision: bool = False) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` 2 or 3 over all ranks (or `mesh`, 1-D) and return it.
 
     Call it after the weights are loaded and before `build_optimizer`; every rank passes the same model.
     `parallel` is the sequence-parallel group the engine will run with (its size C sets the gradient division).
+
+    `mixed_precision` (`optim.mixed_precision`): the model's bf16 parameters are sharded as they are (the engine
+    computes with them, and takes its state dtype from them), and FSDP2 reduce-scatters their gradients in fp32
+    (`MixedPrecisionPolicy(reduce_dtype=float32)`) before storing the shard's; the fp32 master weights are the
+    optimizer's (`longstraw.train.optim.MasterAdamW`). The modules holding the parameters the family keeps in fp32
+    (`fp32_suffixes`: GLM-5's router and indexer head) become units of their own (one dtype per unit).
     """
     if stage not in STAGES:
         raise ValueError(f"shard_model shards for ZeRO stage 2 or 3, not {stage}; stage 1 is the optimizer alone "
@@ -98,12 +104,20 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
         p = next(model.parameters())
         mesh = init_device_mesh(p.device.type, (dist.get_world_size(),))
     reshard = stage == 3
+    policy = {}
+    if mixed_precision:
+        # inputs and parameters stay as they are (bf16 compute, as in a bf16 model); only the reduction is fp32
+        policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)}
+        keep = tuple(getattr(model, "fp32_suffixes", ()))
+        owners = {name.rpartition(".")[0] for name, _ in model.named_parameters() if keep and name.endswith(keep)}
+        for name in sorted(owners):
+            fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard, **policy)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **policy)
         layer.reshards_after_forward = reshard  # what `gathered_once` restores
         for method in LAYER_METHODS:
             register_fsdp_forward_method(layer, method)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policy)
     model.reshards_after_forward = reshard
     for method in MODEL_METHODS:
         register_fsdp_forward_method(model, method)
@@ -161,7 +175,7 @@ def gradient_replicas(model: nn.Module, replicas: int, then: int) -> Iterator[No
 
 
 def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage: int,
-                     parallel: SequenceGroup, device: torch.device) -> nn.Module:
+                     parallel: SequenceGroup, device: torch.device, mixed_precision: bool = False) -> nn.Module:
     """A ZeRO-2/3 model whose weights only rank 0 has read. Every rank passes `skeleton`, the same model on the
     meta device; rank 0 passes `full`, the whole state dict (None elsewhere). The skeleton is sharded, given
     storage for its shards on `device`, and each rank's shards are filled from rank 0's tensors, broadcast one at a
@@ -178,7 +192,7 @@ def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage:
                          "on every rank and use shard_model")
     if (full is not None) != (dist.get_rank() == 0):
         raise ValueError("rank 0, and only rank 0, passes the full state dict")
-    shard_model(skeleton, stage, parallel, init_device_mesh(device.type, (dist.get_world_size(),)))
+    shard_model(skeleton, stage, parallel, init_device_mesh(device.type, (dist.get_world_size(),)), mixed_precision)
     skeleton.to_empty(device=device)
     set_model_state_dict(skeleton, full or {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))

@@ -8,7 +8,9 @@ A checkpoint directory (`update-NNNNNN/`):
     trainer/optimizer/shard-0000R-model-00001-of-00001.safetensors
                                      the AdamW state rank R-1 held, written by torch.distributed.checkpoint (DCP)
                                      with its HF storage writer: safetensors whose header gives each tensor's offset
-                                     in the whole (no pickled .metadata, which DCP's default writer would add)
+                                     in the whole (no pickled .metadata, which DCP's default writer would add);
+                                     with optim.mixed_precision or offload (MasterAdamW) also the fp32 master
+                                     weights, `<param>.master` (the export above: the bf16 weights)
     adapter_model.safetensors, adapter_config.json
                                      with LoRA: the adapter in PEFT's layout (`PeftModel.from_pretrained` on the
                                      transformers model reads it); the frozen base weights (config.json,
@@ -411,6 +413,8 @@ def _load_optimizer(d: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     saved: dict[str, dict[str, dict]] = {}
     for key, spec in meta["optimizer_state"].items():
         pname, _, field = key.rpartition(".")
+        if field == "master" and not getattr(local, "holds_master", False):
+            continue  # fp32 master weights (optim.mixed_precision / offload); this optimizer steps the weights
         if pname not in params:
             raise ValueError(f"checkpoint {d} holds optimizer state for {pname!r}, which the model has no parameter "
                              f"of; load it with the model it was saved with")

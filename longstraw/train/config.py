@@ -29,8 +29,31 @@ class OptimConfig(_Strict):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / lr for linear and cosine decay")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="what is sharded over the torch.distributed world: 0 nothing; 1 the AdamW moments (torch's "
-        "ZeroRedundancyOptimizer); 2 also the gradients, 3 also the parameters (FSDP2, longstraw.parallel."
-        "shard_model; 2 keeps a layer's weights gathered from its forward to its backward)")
+        "ZeroRedundancyOptimizer; with mixed_precision or offload, LongStraw's own partition of the fp32 master "
+        "weights and moments); 2 also the gradients, 3 also the parameters (FSDP2, longstraw.parallel.shard_model; "
+        "2 keeps a layer's weights gathered from its forward to its backward)")
+    mixed_precision: bool = Field(
+        False, description="bf16 weights and compute with fp32 master weights and fp32 AdamW moments, gradients "
+        "reduced in fp32 (needs dtype: bfloat16). The model holds bf16 parameters (ZeRO-2/3: FSDP2's bf16 shards, "
+        "reduce-scattered with MixedPrecisionPolicy(reduce_dtype=fp32)) and the optimizer an fp32 master copy of "
+        "those it updates (ZeRO-1: its partition; ZeRO-2/3: its shards). false: AdamW in the model's dtype")
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="where the fp32 master weights and AdamW moments live and are stepped: none on the "
+        "model's device (torch AdamW); cpu in host memory, stepped by DeepSpeed's CPU Adam (DeepSpeedCPUAdam, AdamW "
+        "mode) and copied back to the device parameters; nvme like cpu, the master and moments in files under "
+        "nvme_path (memory-mapped; see README 'Mixed precision and optimizer offload')")
+    nvme_path: str | None = Field(
+        None, description="offload nvme: directory (on a fast local disk) for the master weights and moments; each "
+        "rank uses its own subdirectory, recreated at every start (a checkpoint holds the state)")
+
+    @model_validator(mode="after")
+    def _offload(self) -> "OptimConfig":
+        if self.offload == "nvme" and not self.nvme_path:
+            raise ValueError("optim.offload nvme needs optim.nvme_path (a directory on a local NVMe disk)")
+        if self.nvme_path is not None and self.offload != "nvme":
+            raise ValueError(f"optim.nvme_path is set but optim.offload is {self.offload!r}; set offload: nvme or "
+                             "remove nvme_path")
+        return self
 
 
 class LoraSpec(_Strict):
@@ -164,6 +187,9 @@ class TrainConfig(_Strict):
             raise ValueError(f"responses {self.responses} do not split evenly over the {p.data_parallel} "
                              f"data-parallel groups (pipeline.nproc {p.nproc} / sp {p.sequence_parallel}); use a "
                              f"multiple of {p.data_parallel}")
+        if self.optim.mixed_precision and self.dtype != "bfloat16":
+            raise ValueError(f"optim.mixed_precision computes in bf16 with fp32 master weights; set dtype: bfloat16 "
+                             f"(it is {self.dtype}), or mixed_precision: false for AdamW in {self.dtype}")
         if self.optim.zero_stage and p.nproc == 1:
             raise ValueError(f"optim.zero_stage {self.optim.zero_stage} shards over several ranks; set "
                              "pipeline.nproc > 1 or zero_stage 0")

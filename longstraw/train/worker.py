@@ -117,13 +117,17 @@ class Worker:
         return agree(self.ranks, fn)
 
     def _resident(self, read: Callable[[], nn.Module], weights_dir: Path | None, lora: dict | None,
-                  stage: int | None = None) -> nn.Module:
+                  stage: int | None = None, trained: bool = True) -> nn.Module:
         """The model to keep resident, from `read()` (the whole model) and `weights_dir` (the directory holding its
         config.json; None for a random model). Sharded (ZeRO-2/3 on several ranks): only rank 0 reads the weights,
         and every rank builds the model on the meta device and takes its shards by broadcast (`shard_from_rank0`:
         1/N of the weights per rank plus one tensor in flight, one read of the files). Otherwise every rank reads
-        them, and ZeRO-2/3 then shards them."""
+        them, and ZeRO-2/3 then shards them.
+
+        The `trained` model under ZeRO-2/3 with `optim.mixed_precision` reduce-scatters its gradients in fp32
+        (`shard_model(mixed_precision=True)`); its fp32 master weights are the optimizer's."""
         stage = self.cfg.optim.zero_stage if stage is None else stage
+        mixed = trained and self.cfg.optim.mixed_precision
         skeleton = None
         if stage >= 2 and weights_dir is not None:  # ZeRO-2/3: several ranks
             skeleton = self._agree(lambda: meta_model(weights_dir, torch_dtype(self.cfg.dtype),
@@ -132,11 +136,11 @@ class Worker:
                 skeleton = None
         if skeleton is None:
             model = read()
-            return (shard_model(model, stage, self.parallel) if stage >= 2 else model).eval()
+            return (shard_model(model, stage, self.parallel, mixed_precision=mixed) if stage >= 2 else model).eval()
         if lora is not None:
             add_lora(skeleton, **lora)
         full = self._agree(lambda: _leader_reads(read) if self._leader else None)
-        return shard_from_rank0(skeleton, full, stage, self.parallel, self.device).eval()
+        return shard_from_rank0(skeleton, full, stage, self.parallel, self.device, mixed).eval()
 
     def _check_version(self, weights_version: str) -> None:
         if weights_version != self.weights_version:
@@ -151,7 +155,7 @@ class Worker:
             remove_stale_temporaries(paths.checkpoints)  # a kill mid-commit leaves one; the run lock makes it safe
         latest = self.ranks.broadcast(str(p) if (p := latest_checkpoint(paths.checkpoints)) else None)
         dtype = torch_dtype(cfg.dtype)
-        factory = lambda m: build_optimizer(m, cfg.optim)  # noqa: E731
+        factory = lambda m: build_optimizer(m, cfg.optim, self.parallel)  # noqa: E731
         if latest is None:
             torch.manual_seed(cfg.seed)
             lora = None if cfg.lora is None else cfg.lora.model_dump()
@@ -370,7 +374,8 @@ class Worker:
             raise ValueError(f"prompt backward of {sorted(self._dstate)} (group, epoch) did not run before the "
                              "optimizer step")
         t0 = time.perf_counter()
-        reduce_gradients(self.model, self.parallel)
+        if not getattr(self.optim, "reduces_gradients", False):  # MasterAdamW sums them itself, in fp32
+            reduce_gradients(self.model, self.parallel)
         stats = optimizer_step(self.model, self.optim, cfg.optim, update, cfg.updates)
         self.update += 1
         self.weights_version = next_version(self.weights_version, self.update)
@@ -420,7 +425,8 @@ class Worker:
                                  f"{reference_version[:12]} the stage asks for")
             read = lambda: load_model(path, dtype=torch_dtype(self.cfg.dtype), device=self.device)  # noqa: E731
             # the base weights (no adapters: the reference of a LoRA run is its base model)
-            self._reference = self._resident(read, path, None, stage=3 if self.cfg.optim.zero_stage >= 2 else 0)
+            self._reference = self._resident(read, path, None, stage=3 if self.cfg.optim.zero_stage >= 2 else 0,
+                                             trained=False)
             self._reference.requires_grad_(False)
             self.model_loads += 1
         return self._reference
