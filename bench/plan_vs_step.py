@@ -24,15 +24,16 @@ from longstraw.tools.activations import activation_profile  # noqa: E402
 from longstraw.tools.plan import plan  # noqa: E402
 
 MIB = 2**20
-STEP_TERMS = ("gradients", "state shard", "dState shard", "boundary states")
+STEP_TERMS = ("state shard", "dState shard", "boundary states")
 
 
 def planned_step_bytes(r: dict) -> float:
-    """What of a plan one `grpo_backward` allocates: gradients, state, dState, boundaries and the work's peak."""
+    """What of a plan one `grpo_backward` allocates: fp32 gradients (ZeRO-0: whole on every rank), state,
+    dState, boundaries and the work's peak."""
     pr = r["per_rank"]
     work = max(pr["one chunk's activations"] + pr["chunk backward transients"],
                pr["one branch's activations"] + pr["LM head chunk + queries"])
-    return sum(pr[k] for k in STEP_TERMS) + work
+    return 4 * r["parameters"] + sum(pr[k] for k in STEP_TERMS) + work
 
 
 def main() -> None:

@@ -98,6 +98,12 @@ def _plan(args: argparse.Namespace) -> int:
     time = step_time(work, args.tflops, args.link_gbps)
     print(format_plan(r, *fits))
     print(format_work(work, time, args.tflops, args.link_gbps))
+    if args.rehearse:
+        from .tools.rehearse import format_rehearsal, rehearse
+
+        rehearsal = rehearse(cfg, args.tokens, args.gpus, r, responses=args.responses,
+                             response_tokens=args.response_tokens, rope_scaling=rope)
+        print(format_rehearsal(rehearsal))
     _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1], "work": work, "time": time})
     return 0
 
@@ -160,8 +166,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--chunk", type=int, help="prompt chunk (default: the largest that fits, searched)")
     p.add_argument("--checkpoint-layers", choices=("auto", "on", "off"), default="auto",
                    help="per-layer activation checkpointing (default auto: off if that fits, searched)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: bf16 weights and compute, fp32 master weights and moments (default); fp32")
+    p.add_argument("--precision", choices=("bf16-mixed", "bf16", "fp32"), default="bf16-mixed",
+                   help="bf16-mixed: bf16 weights and compute, fp32 master weights and moments "
+                   "(optim.mixed_precision, default); bf16; fp32")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="optimizer offload: master weights and moments on the host (DeepSpeed's CPU Adam)")
     p.add_argument("--responses", type=int, default=8, help="G")
@@ -173,6 +180,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--tflops", type=float, default=400, help="sustained TFLOP/s per GPU for the time estimate")
     p.add_argument("--link-gbps", type=float, default=100, help="GB/s a GPU sends, for the time estimate")
     _add_rope_scaling(p)
+    p.add_argument("--rehearse", action="store_true", help="also run the step's code at full size under fake "
+                   "tensors with a fake process group (no memory) and print its peak per rank beside the plan's")
     p.add_argument("--json", help="also write the plan to this JSON file")
     p.set_defaults(func=_plan)
     p = sub.add_parser("export", help="a training checkpoint's weights as an HF checkpoint (--merge: LoRA merged in)")

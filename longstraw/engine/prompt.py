@@ -32,7 +32,8 @@ Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size s
 
 def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, LayerState], *,
                     parallel: SequenceGroup = ONE_RANK, order: PromptOrder = "auto",
-                    checkpoint_layers: bool | None = None, progress: bool = False) -> None:
+                    checkpoint_layers: bool | None = None, last_chunks: int | None = None,
+                    progress: bool = False) -> None:
     """Back-propagate `dstate` (dLoss/dState of all this group's branches) through the prompt into `param.grad`.
 
     With data-parallel groups, dstate is first summed over them (each group then runs the same prompt backward in
@@ -43,7 +44,9 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
 
     `order` (`EngineConfig.prompt_order`): layer by layer, the chunks without a kept graph run in the layer-major
     order of engine/prompt_by_layer.py (one layer at a time already), after the kept ones. Chunk by chunk,
-    `checkpoint_layers` (`EngineConfig.checkpoint_layers`) recomputes each layer of a chunk in its backward."""
+    `checkpoint_layers` (`EngineConfig.checkpoint_layers`) recomputes each layer of a chunk in its backward.
+    `last_chunks`: only the last ones chunk by chunk (a partial gradient: `longstraw plan --rehearse` runs the
+    peak's representatives)."""
     check_state(model, state, parallel)
     by_layer = layer_major(model, order, state, parallel)
     parallel.check_agree("prompt backward settings", {
@@ -65,6 +68,8 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     shared: Boundaries = {}  # the boundaries every rank holds: regenerated, or handed on by their owner
     n = len(state.chunks)
     by_chunk = min(kept, default=n) if by_layer else 0  # the chunks from here on run chunk by chunk
+    if last_chunks is not None:
+        by_chunk = max(n - last_chunks, 0)
     with gradients_summed_over_group(model, parallel):
         for i in tqdm(range(n - 1, by_chunk - 1, -1), desc="prompt backward", unit="chunk",
                       disable=not progress, leave=False):
@@ -87,7 +92,7 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
                     for t in g.tensors():  # each rank's share of the chunk's starting state's gradient
                         parallel.sum_(t)
                     dstate[j] = g
-        if by_chunk:
+        if by_chunk and last_chunks is None:
             prompt_backward_by_layer(model, state, by_chunk, dstate, lambda i, g: _output_grads(state, i, g, parallel),
                                      parallel, progress=progress)
 

@@ -2,22 +2,25 @@
 the GPU path, and the prompt chunk and per-layer checkpointing that fit (searched, unless given).
 
 Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the branches):
-- model state (`model_state_bytes`): weights, gradients, fp32 master weights and AdamW moments by precision
-  (`bf16`: bf16 weights and compute, fp32 master and moments; `fp32`), ZeRO stage and optimizer offload (the
-  master and moments on the host);
+- model state (`model_state_bytes`, train/precision.py): weights, gradients, fp32 master weights and AdamW
+  moments by precision (`bf16-mixed`: bf16 weights and compute, fp32 master and moments; `bf16`; `fp32`), ZeRO
+  stage and optimizer offload (the master and moments on the host);
 - the prefix-state shard (the per-token rows of T / C tokens, plus the fixed-size states, which every rank
   holds), in exact mode the dState shard of the same layout and the boundary states of the rank's own chunks;
 - under ZeRO-3, the layer-major prompt backward's checkpoints (engine/prompt_by_layer.py), when they fit a
   quarter of the GPU as the engine's `prompt_order: auto` requires, and FSDP's gathered units: the largest layer
   and the one prefetched after it, and the root (embedding and LM head);
-- the larger of two peaks of autograd work (tools/activations.py: saved bytes per token of each layer kind,
+- the largest of three peaks of work (tools/activations.py: saved bytes per token of each layer kind,
   measured on proxies, the GPU kernels' tensors where they differ from the CPU path):
   - a prompt chunk's (a rank's block of it; every graph recomputed, `prompt_graph_budget: 0`): its layers'
     activations (with `checkpoint_layers`, every layer's input and one layer's), the whole chunk's queries that
     each attention layer gathers and keeps, and in the backward of an attention layer the gradient of the
     rank's prefix rows of that layer (and DSA's candidates: chunk x top-k);
   - a branch's: its activations the same way, and the LM head's logits of `head_chunk` positions (fp32 logits,
-    their log-softmax and its gradient).
+    their log-softmax and its gradient);
+  - FSDP's reduction of the largest unit's gradient (ZeRO-3: the root, embedding and LM head, on large
+    vocabularies): its unsharded bf16 gradient and the fp32 copy reduce-scattered.
+The rehearsal (`--rehearse`, tools/rehearse.py) runs the step's code at full size under fake tensors to check it.
 """
 
 from __future__ import annotations
@@ -32,42 +35,26 @@ from ..models.common.head import default_head_chunk
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
+from ..train.precision import Offload, Precision, optimizer_bytes
 from .activations import ActivationProfile, LayerKind, activation_profile
 from .state_size import state_size
 
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the prompt chunks the search tries
 LOGIT_BYTES = 4 + 4 + 4 + 2  # per logit of a head chunk: fp32 logits, log-softmax, its gradient; bf16 logits
-OFFLOADS = ("none", "cpu", "nvme")
 
 
-def model_state_bytes(params: int, adapters: int, zero: int, ranks: int, precision: str = "bf16",
-                      offload: str = "none") -> dict[str, float]:
-    """Bytes per rank of weights, gradients and optimizer state ("parameters", "gradients", "optimizer" on the
-    device; "host": what optimizer offload keeps in host memory or on NVMe).
-
-    bf16: bf16 weights (ZeRO-3: their shards) and gradients, fp32 master weights and AdamW moments (sharded from
-    ZeRO-1; FSDP at ZeRO-2/3 keeps the master as its shards and reduces gradients in fp32). fp32: the weights are
-    the master. With LoRA (`adapters` > 0) the base weights are frozen (no gradient, no optimizer) and the fp32
-    adapters are trained."""
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision {precision!r}: choose bf16 (with fp32 master weights) or fp32")
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload {offload!r}: choose one of {', '.join(OFFLOADS)}")
-    shard = lambda stage: ranks if zero >= stage else 1  # noqa: E731
-    width = 2 if precision == "bf16" else 4
-    if adapters:
-        weights = width * params / shard(3) + 4 * adapters / shard(3)
-        grads = 4 * adapters / shard(2)
-        master, moments = 0.0, 8 * adapters / shard(1)
-    else:
-        weights = width * params / shard(3)
-        grads = (4 if precision == "bf16" and zero >= 2 else width) * params / shard(2)
-        master = 4 * params / shard(1) if precision == "bf16" else 0.0
-        if precision == "bf16" and zero >= 3 and offload == "none":
-            weights = 0.0  # FSDP's shards are the fp32 master; bf16 copies exist only while a unit is gathered
-        moments = 8 * params / shard(1)
-    host = master + moments if offload != "none" else 0.0
-    return {"parameters": weights, "gradients": grads, "optimizer": 0.0 if host else master + moments, "host": host}
+def model_state_bytes(params: int, adapters: int, zero: int, ranks: int, precision: Precision = "bf16-mixed",
+                      offload: Offload = "none") -> dict[str, float]:
+    """Bytes per rank of weights, gradients and optimizer state: "device", and "host" (what optimizer offload
+    keeps in host memory or on NVMe), as `train/precision.py`'s `optimizer_bytes` counts the trainable ones. With
+    LoRA (`adapters` > 0) the fp32 adapters are trained and the base weights frozen (bf16 unless fp32; ZeRO-3
+    shards them)."""
+    if not adapters:
+        opt = optimizer_bytes(params, precision, offload, zero, ranks)
+        return {"device": opt["device"], "host": opt["host"] + opt["nvme"]}
+    opt = optimizer_bytes(adapters, "fp32", offload, zero, ranks)
+    frozen = (4 if precision == "fp32" else 2) * params / (ranks if zero >= 3 else 1)
+    return {"device": opt["device"] + frozen, "host": opt["host"] + opt["nvme"]}
 
 
 def adapter_parameters(hf_config: dict, r: int, target_modules: list[str]) -> int:
@@ -103,21 +90,24 @@ def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
             "layers": len(rows)}
 
 
-def _gathered_units(meta, zero: int, precision: str) -> float:
-    """ZeRO-3: FSDP's bf16 copies of the units gathered at once: the largest layer and the next one it
-    prefetches, and the root (embedding and LM head) while the head or the embedding runs."""
-    if zero < 3:
-        return 0.0
-    width = 2 if precision == "bf16" else 4
+def _fsdp_transients(meta, zero: int, precision: Precision) -> tuple[float, float]:
+    """ZeRO-2/3 (FSDP): (the bf16 copies of the units gathered at once: the largest layer and the next one it
+    prefetches, and the root (embedding and LM head); the reduction of the largest unit's gradient: its unsharded
+    gradient and, with bf16-mixed, the fp32 copy FSDP reduce-scatters)."""
+    if zero < 2:
+        return 0.0, 0.0
+    width = 4 if precision == "fp32" else 2
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers)
     root = sum(p.numel() for m in (meta.model.embed_tokens, meta.lm_head) for p in m.parameters(recurse=False))
-    return width * (2 * largest + root)
+    reduce = width + (4 if precision == "bf16-mixed" else 0)
+    return width * (2 * largest + root), reduce * max(largest, root)
 
 
 def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
          chunk: int | None = None, checkpoint_layers: bool | None = None, responses: int = 8,
          response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
-         lora: dict | None = None, rope_scaling: dict | None = None, precision: str = "bf16", offload: str = "none",
+         lora: dict | None = None, rope_scaling: dict | None = None, precision: Precision = "bf16-mixed",
+         offload: Offload = "none",
          head_chunk: int | None = None) -> dict:
     """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
     prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
@@ -156,7 +146,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
 
 def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
               chunk: int, ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile,
-              precision: str, offload: str, head_chunk: int | None) -> dict:
+              precision: Precision, offload: Offload, head_chunk: int | None) -> dict:
     """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone)."""
     size = {**size, "prompt_chunks": -(-tokens // chunk)}
     params = sum(p.numel() for p in meta.parameters())
@@ -185,15 +175,17 @@ def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_g
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c
-    gathered = _gathered_units(meta, zero, precision)
-    common = model_state["parameters"] + model_state["gradients"] + model_state["optimizer"] + state + gathered
-    exact = common + dstate + boundaries + by_layer + max(chunk_peak, branch_peak)
-    detached = common + branch_peak  # its capture runs without autograd
-    per_rank = {"parameters": model_state["parameters"], "gradients": model_state["gradients"],
-                "optimizer": model_state["optimizer"], "FSDP gathered units": gathered, "state shard": state,
+    gathered, reduction = _fsdp_transients(meta, zero, precision)
+    common = model_state["device"] + state
+    # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
+    exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)
+    detached = common + max(branch_peak + gathered, reduction)  # its capture runs without autograd
+    per_rank = {"weights, gradients, optimizer": model_state["device"], "FSDP gathered units": gathered,
+                "state shard": state,
                 "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
                 "one chunk's activations": chunk_act, "chunk backward transients": chunk_peak - chunk_act,
-                "one branch's activations": branch_act, "LM head chunk + queries": branch_peak - branch_act}
+                "one branch's activations": branch_act, "LM head chunk + queries": branch_peak - branch_act,
+                "gradient reduction (FSDP)": reduction}
     return {
         "model_type": size["model_type"], "parameters": params, "adapter_parameters": adapters, "tokens": tokens,
         "gpus": gpus, "sp": c, "dp": gpus // c, "zero": zero, "chunk": chunk, "checkpoint_layers": ckpt,
@@ -234,7 +226,7 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     gb = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
     lines = [f"{r['model_type']}: {r['parameters'] / 1e9:.2f}B parameters, {r['tokens']:,} tokens, {r['gpus']} GPUs "
              f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
-             f"{r['precision']}" + (" (fp32 master)" if r["precision"] == "bf16" else "") +
+             f"{r['precision']}" + (" (bf16 weights, fp32 master)" if r["precision"] == "bf16-mixed" else "") +
              (f", optimizer offload: {r['offload']}" if r["offload"] != "none" else "") +
              (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters" if r["adapter_parameters"] else ""),
              f"{'searched' if r.get('searched') else 'given'}: prompt chunk {r['chunk']:,}, per-layer checkpointing "
