@@ -55,6 +55,17 @@ def tiny_model(model_type: str = "qwen3", dtype: torch.dtype = torch.float32, se
     return ls.build_model(tiny_config(model_type, **overrides), dtype=dtype)
 
 
+def with_adapters(model: torch.nn.Module, targets: tuple[str, ...] = ("o_proj", "down_proj")) -> torch.nn.Module:
+    """`model` with rank-4 LoRA adapters on `targets`, their B initialised non-zero (PEFT starts B at zero) so
+    that every adapter has a gradient path."""
+    torch.manual_seed(1)
+    ls.add_lora(model, r=4, target_modules=list(targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in model.parameters()])
 

@@ -90,17 +90,18 @@ def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
             "layers": len(rows)}
 
 
-def _fsdp_transients(meta, zero: int, precision: Precision) -> tuple[float, float]:
+def _fsdp_transients(meta, zero: int, precision: Precision, frozen: bool) -> tuple[float, float]:
     """ZeRO-2/3 (FSDP): (the bf16 copies of the units gathered at once: the largest layer and the next one it
     prefetches, and the root (embedding and LM head); the reduction of the largest unit's gradient: its unsharded
-    gradient and, with bf16-mixed, the fp32 copy FSDP reduce-scatters)."""
+    gradient and, with bf16-mixed, the fp32 copy FSDP reduce-scatters; none for `frozen` weights (LoRA: the
+    adapters' is small))."""
     if zero < 2:
         return 0.0, 0.0
     width = 4 if precision == "fp32" else 2
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers)
     root = sum(p.numel() for m in (meta.model.embed_tokens, meta.lm_head) for p in m.parameters(recurse=False))
     reduce = width + (4 if precision == "bf16-mixed" else 0)
-    return width * (2 * largest + root), reduce * max(largest, root)
+    return width * (2 * largest + root), 0.0 if frozen else reduce * max(largest, root)
 
 
 def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
@@ -175,7 +176,7 @@ def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_g
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c
-    gathered, reduction = _fsdp_transients(meta, zero, precision)
+    gathered, reduction = _fsdp_transients(meta, zero, precision, frozen=adapters > 0)
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)

@@ -10,9 +10,8 @@ from longstraw.engine import activation_bytes_per_token
 from longstraw.engine.budget import _saved_bytes, checkpoints_layers
 from longstraw.engine.chunks import empty_state, run_chunk, store_chunk
 from longstraw.state import PrefixView, Segment
-from tests.conftest import GLM, tiny_model
+from tests.conftest import GLM, rel_err, tiny_model, with_adapters
 from tests.engine.test_exact import grad_of, group
-from tests.conftest import rel_err
 
 SHARED_DSA = {**GLM, "indexer_types": ["full", "shared", "full", "shared"]}
 
@@ -23,13 +22,7 @@ def _model(model_type: str, lora: bool = False):
         model = ls.build_model(SHARED_DSA if model_type == "glm_shared" else GLM, dtype=torch.float64)
     else:
         model = tiny_model(model_type, dtype=torch.float64)
-    if lora:
-        torch.manual_seed(1)
-        ls.add_lora(model, r=4, target_modules=["o_proj", "down_proj"])
-        for name, p in model.named_parameters():  # PEFT starts B at zero: give every adapter a gradient path
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.1)
-    return model
+    return with_adapters(model) if lora else model
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text", "glm_moe_dsa", "glm_shared"])

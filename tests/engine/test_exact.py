@@ -13,7 +13,7 @@ import torch
 import longstraw as ls
 from longstraw.engine import activation_bytes_per_token
 from longstraw.grpo import token_weights
-from tests.conftest import GLM, flat_grad, rel_err, tiny_model
+from tests.conftest import GLM, flat_grad, rel_err, tiny_model, with_adapters
 
 G_LENGTHS = (5, 1, 9, 4)
 ADV = [1.0, -0.5, 0.7, -1.2]
@@ -82,11 +82,7 @@ def test_layer_major_prompt_backward_keeps_gradient(model_type, budget, lora):
     else:
         model = tiny_model(model_type, dtype=torch.float64)
     if lora:
-        torch.manual_seed(1)
-        ls.add_lora(model, r=4, target_modules=["o_proj", "down_proj"])
-        for name, p in model.named_parameters():  # PEFT starts B at zero: give every adapter a gradient path
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.1)
+        with_adapters(model)
     prompt, responses = group(prompt_len=50)
     per_chunk = 7 * activation_bytes_per_token(model)
     cfg = ls.EngineConfig(prompt_chunk=7, prompt_order="layers",
