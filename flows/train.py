@@ -128,6 +128,7 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         "loss": sum(r["loss"] for r in replays) / cfg.groups / cfg.epochs,
         "kl": sum(r["kl_sum"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
+        "entropy": sum(r["entropy_sum"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "response_len": _mean([r["response_len_mean"] for r in rolls]),
         "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),  # caps: every epoch's captures
         "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays, *prompts]),

@@ -20,8 +20,8 @@ from longstraw.train.config import TrainConfig
 from longstraw.train.worker import Worker
 from tests.conftest import tiny_config
 
-STEP_METRICS = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len",
-                "prefix_state_bytes", "peak_bytes", "step_seconds", "tokens_per_s", "capture_seconds",
+STEP_METRICS = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "clip_frac", "entropy", "grad_norm",
+                "response_len", "prefix_state_bytes", "peak_bytes", "step_seconds", "tokens_per_s", "capture_seconds",
                 "rollout_seconds", "replay_seconds", "prompt_backward_seconds", "optimizer_seconds")
 OPS = ("start", "capture", "rollout", "replay", "prompt", "optimizer")
 
