@@ -18,6 +18,7 @@ share cores and wall time says little; the state bytes per rank and the traffic 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -71,12 +72,19 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     before = current_bytes()
     reset_peak()
+    tracker = contextlib.nullcontext()
+    if args.track:  # the storages alive at once, as `longstraw plan --rehearse` counts them (slower: a dispatch mode)
+        from longstraw.tools.rehearse import LiveBytes
+
+        tracker = LiveBytes("cpu")
     t0 = time.perf_counter()
-    stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", engine=cfg, parallel=sp)
+    with tracker:
+        stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", engine=cfg, parallel=sp)
     wall = time.perf_counter() - t0
     # (parameters no loss reaches, such as DSA's indexer, have none)
     grad = torch.cat([full_tensor(p.grad).flatten() for p in model.parameters() if p.grad is not None])
     out = {"rank": sp.rank, "seconds": wall, "peak_delta_bytes": peak_bytes() - before,
+           "tracked_peak_bytes": getattr(tracker, "peak", None),
            "state_bytes": stats["state_bytes"], "peak_state_bytes": stats["peak_state_bytes"],
            "bytes_communicated": sp.bytes_communicated, "param_bytes": param_bytes, "grad_norm": float(grad.norm()),
            "weight_gathers": gathered[0], "weight_gather_bytes": gathered[1],
@@ -102,7 +110,7 @@ def run(n: int, zero: int, order: str, ckpt: str, args: argparse.Namespace) -> l
                os.path.abspath(__file__), "--worker", "--out-dir", d, "--P", str(args.P), "--G", str(args.G),
                "--R", str(args.R), "--arch", args.arch, "--threads", str(args.threads),
                "--prompt-chunk", str(args.prompt_chunk), "--zero", str(zero), "--order", order,
-               "--hidden", str(args.hidden), "--checkpoint-layers", ckpt]
+               "--hidden", str(args.hidden), "--checkpoint-layers", ckpt] + (["--track"] if args.track else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(Path(__file__).parent)}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         files = sorted(Path(d).glob("rank-*.json"))
@@ -127,6 +135,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=0, help="widen the dense arch to this hidden size (0: as archs.py)")
     ap.add_argument("--checkpoint-layers", nargs="+", default=["off"], choices=("off", "on"),
                     help="EngineConfig.checkpoint_layers values to run (per-layer activation checkpointing)")
+    ap.add_argument("--track", action="store_true", help="also track the live storages of the step (the "
+                    "rehearsal's measure; slower)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/out/dist_step.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -157,6 +167,7 @@ def main() -> None:
                "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
                "peak_state_bytes_per_rank": [r["peak_state_bytes"] for r in ranks],
                "peak_delta_bytes_per_rank": [r["peak_delta_bytes"] for r in ranks],
+               "tracked_peak_bytes_per_rank": [r["tracked_peak_bytes"] for r in ranks],
                "bytes_communicated_per_rank": [r["bytes_communicated"] for r in ranks],
                "weight_gathers": ranks[0]["weight_gathers"], "weight_gather_bytes": ranks[0]["weight_gather_bytes"],
                "grad_rel_err_vs_1_first_2048": err}

@@ -1,10 +1,11 @@
 """The planner's CPU figure beside a measured step: reads `bench/dist_step.py`'s JSON (an exact step's peak RSS
-above the RSS before it, per rank) and prints, per row, what `longstraw plan` counts for the same step on the CPU
-path (fp32, the torch delta rule, no optimizer: dist_step measures `grpo_backward` alone): gradients, the state
-and dState shards, boundary states and the larger of the prompt chunk's and the branch's peaks.
+above the RSS before it, per rank, and with `--track` the peak of its live storages) and prints, per row, what
+`longstraw plan` counts for the same step on the CPU path (fp32, the torch delta rule, no optimizer: dist_step
+measures `grpo_backward` alone): gradients, the state and dState shards, boundary states and the larger of the
+prompt chunk's and the branch's peaks.
 
     .venv/bin/python bench/dist_step.py --N 1 2 --P 16384 --G 4 --R 256 --hidden 1024 \\
-        --checkpoint-layers off on --out bench/out/checkpoint_step.json
+        --checkpoint-layers off on --track --out bench/out/checkpoint_step.json
     .venv/bin/python bench/plan_vs_step.py bench/out/checkpoint_step.json
 """
 
@@ -46,7 +47,8 @@ def main() -> None:
     cfg = model_config(args)
     profile = activation_profile(cfg, gpu=False, dtype=torch.float32)
     rows = []
-    head = f"{'N':>3} {'ckpt':>4} {'measured peak MiB/rank':>23} {'planned MiB/rank':>17} {'planned/measured':>17}"
+    head = (f"{'N':>3} {'ckpt':>4} {'peak RSS MiB/rank':>18} {'tracked peak MiB/rank':>22} {'planned MiB/rank':>17} "
+            f"{'planned/RSS':>12} {'planned/tracked':>16}")
     print(head + "\n" + "-" * len(head))
     for row in data["rows"]:
         n, ckpt = row["N"], row.get("checkpoint_layers", "off") == "on"
@@ -54,9 +56,12 @@ def main() -> None:
                  responses=args.G, response_tokens=args.R, profile=profile, precision="fp32")
         planned = planned_step_bytes(r)
         measured = max(row["peak_delta_bytes_per_rank"])
-        rows.append({"N": n, "checkpoint_layers": ckpt, "measured_bytes": measured, "planned_bytes": planned})
-        print(f"{n:>3} {'on' if ckpt else 'off':>4} {measured / MIB:>23.1f} {planned / MIB:>17.1f} "
-              f"{planned / measured:>17.2f}")
+        tracked = max(row.get("tracked_peak_bytes_per_rank") or [None], key=lambda b: b or 0)
+        rows.append({"N": n, "checkpoint_layers": ckpt, "measured_bytes": measured, "tracked_bytes": tracked,
+                     "planned_bytes": planned})
+        ratio = f"{planned / tracked:>16.2f}" if tracked else f"{'-':>16}"
+        print(f"{n:>3} {'on' if ckpt else 'off':>4} {measured / MIB:>18.1f} "
+              f"{(tracked or 0) / MIB:>22.1f} {planned / MIB:>17.1f} {planned / measured:>12.2f} {ratio}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=1))
 

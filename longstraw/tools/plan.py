@@ -132,7 +132,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     ckpts = [checkpoint_layers] if checkpoint_layers is not None else [False, True]
     with torch.device("meta"):
         meta = build(hf_config)
-    size = state_size(hf_config, tokens, "bf16")
+    size = state_size(hf_config, tokens, "fp32" if precision == "fp32" else "bf16")  # the model's dtype
     adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
     options = [_plan_one(meta, size, adapters, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
                          profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
