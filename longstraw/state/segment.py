@@ -138,6 +138,12 @@ class Segment:
             self.emitted[layer] = state
 
     @property
+    def across_ranks(self) -> bool:
+        """Whether the segment's queries meet every rank's rows through the split ops: a split chunk, or spread
+        branches."""
+        return self.split is not None or self.spread
+
+    @property
     def parallel(self) -> SequenceGroup:
         """The group the prefix is sharded over (ONE_RANK: it is all here)."""
         return ONE_RANK if self.prefix is None else self.prefix.parallel
@@ -184,7 +190,7 @@ class Segment:
         `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
         for `own` (k and v may be one tensor: absorbed MLA's shared latent head)."""
         k, v = heads(own)
-        if self.split is not None or self.spread:
+        if self.across_ranks:
             group = self.parallel
             sink = self.prefix_grad(layer)
             sizes, earlier = (self.split.sizes, self.split.earlier) if self.split else ([q.shape[2]] * group.size, None)
@@ -238,7 +244,7 @@ class Segment:
         masks the own rows each query may not see."""
         rows = self.prefix_rows(layer)
         kb = sparse_attention.KEY_BLOCK
-        if self.split is not None or self.spread:
+        if self.across_ranks:
             own_keys = keys(own)
             return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k,
                                      self._split_layout(own.tokens, own_keys.device), kb)
@@ -292,7 +298,7 @@ class Segment:
         values are the first `vdim` features of the keys). `rows(state)` are a state's key rows: [N, D] for the
         prefix, [B, L, D] for `own`. Returns [B, T, H, vdim]; in exact mode the backward adds into the sink."""
         pre, sink = self.prefix_rows(layer), self.prefix_grad(layer)
-        if self.split is not None or self.spread:
+        if self.across_ranks:
             lay = self._split_layout(own.tokens, q.device)
             return split_sparse_attention(q, rows(own), None if pre is None else rows(pre), selected, scale, vdim,
                                           None if sink is None else rows(sink), lay)
