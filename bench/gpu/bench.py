@@ -202,11 +202,13 @@ def rollout(model, cfg: dict, p: int, ns: list[int], tokens: int, device, compil
 
 
 def planned_peak(cfg: dict, p: int, g: int, r: int, chunk: int, gpu_gb: float) -> float:
-    """`longstraw plan`'s bytes for one exact step on one GPU, less the optimizer (the bench takes no step)."""
+    """`longstraw plan`'s bytes for one exact step on one GPU of the bench's bf16 model (checkpointing off), with
+    its weights and gradients but no optimizer (the bench takes no step)."""
     from longstraw.tools.plan import plan
 
-    pl = plan(cfg, p, 1, gpu_gb, zero=0, chunk=chunk, responses=g, response_tokens=r)
-    return pl["exact_bytes"] - pl["per_rank"]["optimizer"]
+    pl = plan(cfg, p, 1, gpu_gb, zero=0, chunk=chunk, checkpoint_layers=False, responses=g, response_tokens=r,
+              precision="bf16")
+    return pl["exact_bytes"] - pl["per_rank"]["weights, gradients, optimizer"] + (2 + 2) * pl["parameters"]
 
 
 def table(res: dict) -> str:
