@@ -82,7 +82,8 @@ def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
     states = meta.empty_state(1, torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
     if cfg.model_type == "glm_moe_dsa":
-        query = cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 +             cfg.index_n_heads * cfg.index_head_dim * 2
+        query = (cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+                 + cfg.index_n_heads * cfg.index_head_dim * 2)
         candidates = cfg.index_topk * 12
     else:
         query, candidates = cfg.num_attention_heads * cfg.head_dim * 2, 0

@@ -27,7 +27,8 @@ def call(model, prompt=None, responses=None, advantages=None, **kw):
         (dict(responses=[torch.tensor([1, 97]), torch.tensor([1])]), "token id 97 outside the model vocab"),
         (dict(prompt=torch.tensor([3, -1, 4])), "token id -1"),
         (dict(prompt=torch.tensor([], dtype=torch.long)), "prompt is empty"),
-        (dict(prompt=torch.randint(0, 97, (60,)), responses=[torch.ones(5, dtype=torch.long)] * 2), "max_position_embeddings"),
+        (dict(prompt=torch.randint(0, 97, (60,)), responses=[torch.ones(5, dtype=torch.long)] * 2),
+         "exceeds the model.s 64 positions; extend them with RoPE scaling"),
         (dict(advantages=[1.0, 0.0, -1.0]), "advantages has 3 values for 2 responses"),
         (dict(advantages=[[1.0, -1.0], [0.5, 0.5]]), r"advantages must be 1-D, one per response, got shape \(2, 2\)"),
         (dict(advantages=[float("nan"), 1.0]), "advantages hold non-finite values"),
@@ -68,5 +69,5 @@ def test_score_checks_responses(model):
     state = ls.capture(model, torch.randint(0, 97, (10,)))
     with pytest.raises(ValueError, match="outside the model vocab"):
         ls.score(model, state, [torch.tensor([200])])
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(ValueError, match="70 tokens exceeds the model.s 64 positions"):
         ls.score(model, state, [torch.ones(60, dtype=torch.long)])
