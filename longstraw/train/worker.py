@@ -40,7 +40,7 @@ from ..engine import (Branches, capture, naive_backward, new_dstate, prompt_back
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
-from ..models import load_model, meta_model
+from ..models import build_model, load_model, meta_model
 from ..parallel import shard_from_rank0, shard_model
 from ..rollout import Sample, rollout
 from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
@@ -161,7 +161,10 @@ class Worker:
             lora = None if cfg.lora is None else cfg.lora.model_dump()
 
             def read() -> nn.Module:
-                model = cfg.model.load(dtype, self.device)
+                # through this module's loaders, which the flows' tests count (tests/flows/hooks)
+                model = (load_model(cfg.model.path, dtype=dtype, device=self.device,
+                                    rope_scaling=cfg.model.rope_override) if cfg.model.path
+                         else build_model(cfg.model.hf_config(), dtype, self.device))
                 # adapters initialised from the run's seed too (B = 0: the base model's outputs)
                 return model if lora is None else add_lora(model, **lora)
 
