@@ -248,7 +248,7 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     for mode in ("exact", "detached"):
         verdict = ("fits" if ok else "capture would refuse the prompt (positions), though it fits in memory") \
             if r[f"{mode}_fits"] else "does NOT fit"
-        spare = f", {(r['gpu_bytes'] - r[f'{mode}_bytes']) / 1e9:,.1f} GB to spare" if r[f"{mode}_fits"] else ""
+        spare = f", {(r['gpu_bytes'] - r[f'{mode}_bytes']) / 1e9:,.1f} GB to spare" if r[f"{mode}_fits"] and ok else ""
         lines.append(f"{mode:<9} mode: {gb(r[f'{mode}_bytes'])} per rank: {verdict}{spare}")
     for mode, n in (("exact", fit_exact), ("detached", fit_detached)):
         lines.append(f"smallest N for {mode}: {n if n else 'more than 4096'} GPUs (ZeRO-{r['zero']}, one group)")
