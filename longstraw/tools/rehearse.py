@@ -1,8 +1,10 @@
 """`longstraw plan --rehearse`: the real step code at full size under fake tensors, beside the planner's figure.
 
 Each rehearsed rank is one run of torch's fake process group (`init_process_group("fake")`: collectives return
-at once) of N ranks, in which every tensor is a `FakeTensor` on the "cuda" device (shapes and dtypes, no
-memory): the model at its real widths (ZeRO-3: sharded by FSDP2 as the engine shards it), the rank's prefix-state
+at once) of N ranks, in which every tensor is a `FakeTensor` (shapes and dtypes, no memory) on the CPU device,
+standing for the GPU (fake CUDA tensors would still need CUDA for FSDP's streams and the device mesh; the ops the
+CPU path takes save what the GPU's do, but for the delta rule, below): the model at its real widths (ZeRO-3:
+sharded by FSDP2 as the engine shards it), the rank's prefix-state
 shard and dState shard of the whole prompt, the boundary states it keeps, its replayed branches, the exact prompt
 backward, and the optimizer step. `LiveBytes` adds up the storages alive on the device at every op and keeps
 the peak.
@@ -195,6 +197,8 @@ def rehearse_rank(hf_config: dict, tokens: int, gpus: int, rank: int, *, plan: d
         raise ValueError("--rehearse runs one sequence-parallel group of all the GPUs (drop --sp)")
     if plan["prompt_order"] != "chunks":
         raise ValueError("--rehearse runs the prompt chunk by chunk; this plan walks it layer by layer")
+    if plan["zero"] == 1:
+        raise ValueError("--rehearse runs ZeRO 0, 2 and 3 (ZeRO-1's share of the optimizer is not rehearsed)")
     dist.init_process_group("fake", rank=rank, world_size=gpus, store=FakeStore())
     torch_form = gated_delta.chunk_gated_delta_rule
     if kernels:
