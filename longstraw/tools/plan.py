@@ -135,7 +135,13 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
         meta = build(hf_config)
     size = state_size(hf_config, tokens, "fp32" if precision == "fp32" else "bf16")  # the model's dtype
     adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
-    options = [_plan_one(meta, size, adapters, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
+    params = sum(p.numel() for p in meta.parameters())
+    # what no (chunk, checkpointing) pair changes, counted once
+    fixed = {"params": params, "adapters": adapters,
+             "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
+             "attn": _attention_extras(meta, tokens / c),
+             "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0)}
+    options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
                          profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
     fitting = [r for r in options if r["exact_fits"]]
     if fitting:  # comfortably (a tenth of the GPU left for the allocator, CUDA and NCCL) before barely
@@ -146,13 +152,14 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     return {**best, "searched": len(options) > 1}
 
 
-def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
+def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
               chunk: int, ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile,
               precision: Precision, offload: Offload, head_chunk: int | None) -> dict:
-    """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone)."""
+    """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone),
+    `fixed` what plan() counted once for all pairs."""
     size = {**size, "prompt_chunks": -(-tokens // chunk)}
-    params = sum(p.numel() for p in meta.parameters())
-    model_state = model_state_bytes(params, adapters, zero, gpus, precision, offload)
+    params, adapters, model_state, attn = fixed["params"], fixed["adapters"], fixed["model_state"], fixed["attn"]
+    gathered, reduction = fixed["fsdp"]
     rows = size["bytes_per_token"] * tokens / c
     state = rows + size["fixed_bytes"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
@@ -169,7 +176,6 @@ def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_g
         size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
     by_layer = checkpoints if zero == 3 and checkpoints <= budget / 4 else 0.0
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
-    attn = _attention_extras(meta, tokens / c)
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
     chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk
@@ -177,7 +183,6 @@ def _plan_one(meta, size: dict, adapters: int, tokens: int, gpus: int, gpu_mem_g
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c
-    gathered, reduction = _fsdp_transients(meta, zero, precision, frozen=adapters > 0)
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)

@@ -39,7 +39,7 @@ from ..grpo import GRPOConfig
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
 from ..ops import gated_delta
-from ..parallel import SequenceParallel, shard_model
+from ..parallel import SequenceParallel, local_shard, shard_model
 from ..state import boundary_states
 from .activations import FLA_CHUNK
 
@@ -255,14 +255,10 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
         if optimizer is not None:
             opt, pairs = optimizer
             for p, master in pairs:  # the bf16 gradient shard cast into the master's (MasterAdamW)
-                master.grad = _local(p.grad).to(master.dtype)
+                master.grad = local_shard(p.grad).to(master.dtype)
             opt.step()
         phases["optimizer"] = live.peak
     return {"peak_bytes": live.peak, "phases": phases}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _optimizer(model: torch.nn.Module, mixed: bool):
@@ -271,7 +267,7 @@ def _optimizer(model: torch.nn.Module, mixed: bool):
     pairs = []
     for p in model.parameters():
         if p.requires_grad:
-            local = _local(p).detach()
+            local = local_shard(p).detach()
             pairs.append((p, torch.nn.Parameter(local.float() if mixed else local)))
     opt = torch.optim.AdamW([m for _, m in pairs], foreach=False)
     for _, m in pairs:
