@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from .experts import experts_divide, set_experts_divide, shard_experts
 from .sequence import ONE_RANK, SequenceGroup
 
 STAGES = (2, 3)
@@ -77,7 +78,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK,
-                mesh: DeviceMesh | None = None, mixed_precision: bool = False) -> nn.Module:
+                mesh: DeviceMesh | None = None, mixed_precision: bool = False,
+                expert_parallel: bool | None = None) -> nn.Module:
     """Shard `model` in place for ZeRO `stage` 2 or 3 over all ranks (or `mesh`, 1-D) and return it.
 
     Call it after the weights are loaded and before `build_optimizer`; every rank passes the same model.
@@ -88,6 +90,9 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
     (`MixedPrecisionPolicy(reduce_dtype=float32)`) before storing the shard's; the fp32 master weights are the
     optimizer's (`longstraw.train.optim.MasterAdamW`). The modules holding the parameters the family keeps in fp32
     (`fp32_suffixes`: GLM-5's router and indexer head) become units of their own (one dtype per unit).
+
+    `expert_parallel` (None: whenever the model has fused experts that split evenly over the ranks): each rank
+    keeps its E / N whole experts, which FSDP never gathers; tokens go to them (parallel/experts.py).
     """
     if stage not in STAGES:
         raise ValueError(f"shard_model shards for ZeRO stage 2 or 3, not {stage}; stage 1 is the optimizer alone "
@@ -104,10 +109,12 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
         p = next(model.parameters())
         mesh = init_device_mesh(p.device.type, (dist.get_world_size(),))
     reshard = stage == 3
-    policy = {}
+    if expert_parallel is None:
+        expert_parallel = experts_divide(model)
+    policy = {"ignored_params": shard_experts(model, mesh)} if expert_parallel else {}
     if mixed_precision:
         # inputs and parameters stay as they are (bf16 compute, as in a bf16 model); only the reduction is fp32
-        policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)}
+        policy["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
         keep = tuple(getattr(model, "fp32_suffixes", ()))
         owners = {name.rpartition(".")[0] for name, _ in model.named_parameters() if keep and name.endswith(keep)}
         for name in sorted(owners):
@@ -127,6 +134,7 @@ def shard_model(model: nn.Module, stage: int, parallel: SequenceGroup = ONE_RANK
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(replicas))
             module.set_force_sum_reduction_for_comms(gloo)
+    set_experts_divide(model, float(replicas))
     return model
 
 
@@ -167,15 +175,18 @@ def gradient_replicas(model: nn.Module, replicas: int, then: int) -> Iterator[No
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in units:
         m.set_gradient_divide_factor(float(replicas))
+    set_experts_divide(model, float(replicas))
     try:
         yield
     finally:
         for m in units:
             m.set_gradient_divide_factor(float(then))
+        set_experts_divide(model, float(then))
 
 
 def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage: int,
-                     parallel: SequenceGroup, device: torch.device, mixed_precision: bool = False) -> nn.Module:
+                     parallel: SequenceGroup, device: torch.device, mixed_precision: bool = False,
+                     expert_parallel: bool | None = None) -> nn.Module:
     """A ZeRO-2/3 model whose weights only rank 0 has read. Every rank passes `skeleton`, the same model on the
     meta device; rank 0 passes `full`, the whole state dict (None elsewhere). The skeleton is sharded, given
     storage for its shards on `device`, and each rank's shards are filled from rank 0's tensors, broadcast one at a
@@ -192,7 +203,8 @@ def shard_from_rank0(skeleton: nn.Module, full: dict[str, Tensor] | None, stage:
                          "on every rank and use shard_model")
     if (full is not None) != (dist.get_rank() == 0):
         raise ValueError("rank 0, and only rank 0, passes the full state dict")
-    shard_model(skeleton, stage, parallel, init_device_mesh(device.type, (dist.get_world_size(),)), mixed_precision)
+    shard_model(skeleton, stage, parallel, init_device_mesh(device.type, (dist.get_world_size(),)), mixed_precision,
+                expert_parallel)
     skeleton.to_empty(device=device)
     set_model_state_dict(skeleton, full or {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))

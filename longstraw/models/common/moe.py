@@ -3,7 +3,7 @@ normalised top-k weights, routed scaling, plus shared experts.
 
 The experts run as grouped matrix products (`torch._grouped_mm`): the (token, expert) pairs sorted by expert, each
 expert's rows a contiguous block whose end offsets stay on the device, so routing never waits for the host (a loop
-over the experts hit needs their ids on the host: one sync per MoE layer per forward, which stalls a GPU).
+over the experts hit needs their row counts on the host: one sync per MoE layer per forward, which stalls a GPU).
 `_grouped_mm` wants 16-byte-aligned rows. Its CUDA kernel takes bf16 only, and so does the meta function that
 torch.compile traces with; the CPU kernel also takes fp32 and fp16. Other cases (fp32 on a GPU or under compile, fp64
 tests, odd sizes) take the loop.
@@ -54,46 +54,71 @@ def grouped_mm_takes(device_type: str, dtype: torch.dtype, compiling: bool) -> b
 
 
 class Experts(nn.Module):
-    """Experts fused as transformers stores them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Experts fused as transformers stores them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Expert-parallel (`ep`, set by longstraw/parallel/experts.py under ZeRO-2/3): the parameters are this rank's
+    experts' shard, and the (token, expert) rows travel to the rank owning their expert and back."""
 
     def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        self.ep = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], idx / w [N, top_k] -> sum over each token's experts of w x expert(x)."""
-        if self._groupable(x):
-            return self._grouped(x, idx, w)
-        return self._looped(x, idx, w)
-
-    def _groupable(self, x: torch.Tensor) -> bool:
-        align = 16 // x.element_size()
-        sizes = (x.shape[-1], self.down_proj.shape[-1])
-        return (grouped_mm_takes(x.device.type, x.dtype, torch.compiler.is_compiling())
-                and self.gate_up_proj.dtype == x.dtype and all(n % align == 0 for n in sizes))
-
-    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # stable: a token's pairs keep their order, so sums are reproducible
         experts, order = idx.reshape(-1).sort(stable=True)
         token = order // idx.shape[1]
-        # each expert's end row: a fixed-size result (bincount's size would depend on the data under compile)
-        every = torch.arange(self.gate_up_proj.shape[0], device=idx.device, dtype=experts.dtype)
-        ends = torch.searchsorted(experts, every, right=True).to(torch.int32)
-        gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=ends)
+        if self.ep is None:
+            y = self._sorted(x[token], experts, self.gate_up_proj, self.down_proj)
+        else:
+            from ...parallel.experts import local_weights, route
+            gate_up, down = local_weights(self)
+            y = route(x[token], experts, self.ep, lambda rows, ids: self._sorted(rows, ids, gate_up, down))
         y = y * w.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add(0, token, y)
 
-    def _looped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The reference: one product per expert hit (their ids go to the host)."""
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            token, slot = (idx == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[token, slot, None].to(x.dtype)
-            out = out.index_add(0, token, y)
-        return out
+    def _sorted(self, rows: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                ) -> torch.Tensor:
+        """Each row through its expert: `rows` [M, hidden] sorted by `experts` [M], ids into `gate_up` / `down`."""
+        if groupable(rows, gate_up, down):
+            return grouped_experts(rows, experts, gate_up, down)
+        return looped_experts(rows, experts, gate_up, down)
+
+
+def groupable(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `grouped_experts` takes these rows and weights here (dtype, device, 16-byte-aligned sizes)."""
+    align = 16 // rows.element_size()
+    sizes = (rows.shape[-1], down.shape[-1])
+    return (grouped_mm_takes(rows.device.type, rows.dtype, torch.compiler.is_compiling())
+            and gate_up.dtype == rows.dtype and all(n % align == 0 for n in sizes)
+            and rows.shape[0] > 0)  # its backward fails on no rows
+
+
+def grouped_experts(rows: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                    ) -> torch.Tensor:
+    """`Experts._sorted` as two grouped products, each expert's rows a block (no host sync)."""
+    # each expert's end row: a fixed-size result (bincount's size would depend on the data under compile)
+    every = torch.arange(gate_up.shape[0], device=experts.device, dtype=experts.dtype)
+    ends = torch.searchsorted(experts, every, right=True).to(torch.int32)
+    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=ends)
+
+
+def looped_experts(rows: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                   ) -> torch.Tensor:
+    """`Experts._sorted` as one product per expert hit (the row counts go to the host)."""
+    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
+    blocks = rows.split(counts)
+    # with no rows at all, one empty product still ties the result to `rows` (expert parallelism's backward
+    # all-to-all runs on every rank only if every rank's graph reaches it)
+    hits = [e for e, n in enumerate(counts) if n] or [0]
+    out = []
+    for e in hits:
+        gate, up = F.linear(blocks[e], gate_up[e]).chunk(2, dim=-1)
+        out.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(out)
 
 
 class MoE(nn.Module):
