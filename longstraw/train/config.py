@@ -32,6 +32,10 @@ class OptimConfig(_Strict):
         "ZeroRedundancyOptimizer; with mixed_precision or offload, LongStraw's own partition of the fp32 master "
         "weights and moments); 2 also the gradients, 3 also the parameters (FSDP2, longstraw.parallel.shard_model; "
         "2 keeps a layer's weights gathered from its forward to its backward)")
+    expert_parallel: bool | None = Field(
+        None, description="ZeRO-2/3 with MoE (GLM-5): each rank keeps experts / nproc whole experts of every MoE "
+        "layer and the tokens go to them (two all-to-alls per MoE layer), instead of FSDP gathering every expert at "
+        "each use; null: on when the experts split evenly over the ranks (longstraw/parallel/experts.py)")
     mixed_precision: bool = Field(
         False, description="bf16 weights and compute with fp32 master weights and fp32 AdamW moments, gradients "
         "reduced in fp32 (needs dtype: bfloat16). The model holds bf16 parameters (ZeRO-2/3: FSDP2's bf16 shards, "
@@ -53,6 +57,9 @@ class OptimConfig(_Strict):
         if self.nvme_path is not None and self.offload != "nvme":
             raise ValueError(f"optim.nvme_path is set but optim.offload is {self.offload!r}; set offload: nvme or "
                              "remove nvme_path")
+        if self.expert_parallel and self.zero_stage < 2:
+            raise ValueError(f"optim.expert_parallel shards the experts as ZeRO-2/3 does, but optim.zero_stage is "
+                             f"{self.zero_stage}; set zero_stage: 3 (or 2), or remove expert_parallel")
         return self
 
 

@@ -128,6 +128,7 @@ class Worker:
         (`shard_model(mixed_precision=True)`); its fp32 master weights are the optimizer's."""
         stage = self.cfg.optim.zero_stage if stage is None else stage
         mixed = trained and self.cfg.optim.mixed_precision
+        experts = self.cfg.optim.expert_parallel
         skeleton = None
         if stage >= 2 and weights_dir is not None:  # ZeRO-2/3: several ranks
             skeleton = self._agree(lambda: meta_model(weights_dir, torch_dtype(self.cfg.dtype),
@@ -136,11 +137,12 @@ class Worker:
                 skeleton = None
         if skeleton is None:
             model = read()
-            return (shard_model(model, stage, self.parallel, mixed_precision=mixed) if stage >= 2 else model).eval()
+            return (shard_model(model, stage, self.parallel, mixed_precision=mixed, expert_parallel=experts)
+                    if stage >= 2 else model).eval()
         if lora is not None:
             add_lora(skeleton, **lora)
         full = self._agree(lambda: _leader_reads(read) if self._leader else None)
-        return shard_from_rank0(skeleton, full, stage, self.parallel, self.device, mixed).eval()
+        return shard_from_rank0(skeleton, full, stage, self.parallel, self.device, mixed, experts).eval()
 
     def _check_version(self, weights_version: str) -> None:
         if weights_version != self.weights_version:
