@@ -13,7 +13,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from longstraw.cli import build_parser, rope_overrides, run  # noqa: E402
 from longstraw.config import load_config, with_overrides  # noqa: E402
 from longstraw.train.artifacts import load_json  # noqa: E402
-from longstraw.train.config import TrainConfig  # noqa: E402
+from longstraw.train.config import PLACEMENT, TrainConfig, without_placement  # noqa: E402
 from longstraw.train.lock import RunDirLocked  # noqa: E402
 
 
@@ -30,8 +30,11 @@ def _overrides(args: argparse.Namespace) -> dict:
     out = deepspeed_overrides()
     out |= {key: getattr(args, key) for key in ("run_dir", "steps") if getattr(args, key, None) is not None}
     nproc = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else getattr(args, "nproc", None)
+    pipeline = {key: getattr(args, key) for key in PLACEMENT if getattr(args, key, None) is not None}
     if nproc is not None:
-        out["pipeline"] = {"nproc": nproc}
+        pipeline["nproc"] = nproc
+    if pipeline:
+        out["pipeline"] = pipeline
     if getattr(args, "rope_scaling", None):
         out.update(rope_overrides(args))
     return out
@@ -55,11 +58,15 @@ def _run(cfg: TrainConfig, progress: bool) -> int:
         from longstraw.train.lock import RunLock
         from longstraw.train.spmd import launch
 
-        with RunLock(cfg.run_dir):  # fail now, not after starting the ranks, when another run holds it
+        # fail now, not after starting the ranks, when another run holds it. On several nodes every node checks
+        # before it joins the rendezvous, so before rank 0 (wherever it runs) takes the lock for the run
+        with RunLock(cfg.run_dir):
             pass
         code = launch(cfg, progress)
         if code:
-            print(f"longstraw: the {cfg.pipeline.nproc}-rank run failed (exit {code}); `longstraw resume "
+            p = cfg.pipeline
+            where = f" (node {p.node_rank} of {p.nnodes})" if p.nnodes > 1 else ""
+            print(f"longstraw: the {p.nproc}-rank run failed{where} (exit {code}); `longstraw resume "
                   f"{cfg.run_dir}` continues it", file=sys.stderr)
         return code
     from .train import grpo_train
@@ -87,8 +94,9 @@ def _resume_config(target: str) -> dict:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a run directory written by `longstraw train`")
-        # the directory given wins over the run_dir recorded in it (the run may have been moved or copied)
-        return {**load_json(path / "config.json"), "run_dir": str(path.resolve())}
+        # the directory given wins over the run_dir recorded in it (the run may have been moved or copied); the
+        # nodes it ran on are the command line's (default one machine), not those of the run that stopped
+        return {**without_placement(load_json(path / "config.json")), "run_dir": str(path.resolve())}
     if path.suffix in (".yaml", ".yml"):
         raise ValueError(f"{target} is a config file; resume takes a run directory or a flow-run id "
                          f"(`longstraw train --config {target}` also continues its run directory)")
@@ -104,7 +112,7 @@ def _resume_config(target: str) -> dict:
         params = client.read_flow_run(run_id).parameters
     if "config" not in params:
         raise ValueError(f"flow run {target} is not a grpo-train run (it has no `config` parameter)")
-    return params["config"]
+    return without_placement(params["config"])
 
 
 def resume(args: argparse.Namespace) -> int:
@@ -146,6 +154,14 @@ def ui(args: argparse.Namespace) -> int:
     return serve_forever(servers)
 
 
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    """The machines of a multi-node run: every node runs the same command with its own --node-rank."""
+    p.add_argument("--nnodes", type=int, help="machines the ranks run on (pipeline.nnodes; default 1)")
+    p.add_argument("--node-rank", type=int, help="this machine, 0..nnodes-1 (pipeline.node_rank)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous, the same on every node, "
+                   "e.g. node 0's host name and a free port (pipeline.rdzv_endpoint)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `longstraw` script: the library's commands plus the pipeline's."""
     parser, sub = build_parser()
@@ -153,14 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/train-tiny.yaml", help="YAML TrainConfig")
     p.add_argument("--run-dir", help="override the config's run_dir")
     p.add_argument("--steps", type=int, help="override the number of steps")
-    p.add_argument("--nproc", type=int, help="ranks of the run (started with torchrun; overrides pipeline.nproc)")
+    p.add_argument("--nproc", type=int, help="ranks of the run, on all nodes together (started with torchrun; "
+                   "overrides pipeline.nproc)")
+    _add_placement(p)
     p.add_argument("--rope-scaling", metavar="TYPE:FACTOR", help="extend the model's positions by RoPE scaling, "
                    "e.g. yarn:8 (overrides model.rope_scaling)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=train)
     p = sub.add_parser("resume", help="continue a failed run from its stored state (completed stages are skipped)")
     p.add_argument("target", help="run directory, or the id of one of its Prefect flow runs")
-    p.add_argument("--nproc", type=int, help="ranks (default: the run's pipeline.nproc)")
+    p.add_argument("--nproc", type=int, help="ranks, on all nodes together (default: the run's pipeline.nproc)")
+    _add_placement(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=resume)
     p = sub.add_parser("serve", help="register the nightly grpo-train deployment and run its flow runs")

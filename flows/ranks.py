@@ -4,7 +4,7 @@ under torchrun, and `longstraw train` started under torchrun (infra/launch.sh) c
 Rank 0 runs the `grpo-train` flow, which drives the others; ranks 1..N-1 build their resident worker and execute
 rank 0's commands until it says stop (longstraw/train/spmd.py). Every rank leaves through `os._exit`: gloo's
 teardown at interpreter exit can turn a finished run into a crash, so the exit handlers run first. The job's
-exit status is rank 0's.
+exit status is rank 0's (on several nodes, each node's torchrun exits 1 when the job failed).
 """
 
 from __future__ import annotations
@@ -29,14 +29,17 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
             from .train import grpo_train
 
             report(grpo_train(cfg.model_dump(mode="json"), progress=progress))
+            code = 0
         else:
             from longstraw.train.worker import Worker
 
+            code = 0
             try:
                 spmd.serve(Worker(cfg, ranks))
             except spmd.RankFailed:
-                pass  # printed and recorded; rank 0 reports it and sets the job's status
-        code = 0
+                # printed and recorded; rank 0 reports it. Beside rank 0 exit 0 (torchrun would stop rank 0 on a
+                # failed local worker); on another node exit 1, so that the scheduler sees this node fail too
+                code = 0 if ranks.beside_leader else 1
     except BaseException as e:  # noqa: BLE001 - printed here; the status goes to torchrun
         print(f"longstraw: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     finally:

@@ -4,7 +4,7 @@ run. A model stage (an op of `longstraw.train.worker.Worker`) runs on every rank
 computed here, on rank 0 alone.
 
 Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
-and its inputs (the config, which holds the run directory and the mesh, and the weights' lineage id and the
+and its inputs (the config, which holds the run directory and the mesh but not the nodes' placement, and the weights' lineage id and the
 URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
 `<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward) are cached, so a
 resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
@@ -28,7 +28,7 @@ from prefect.tasks import exponential_backoff
 
 from longstraw.memory import measured
 from longstraw.train import inputs
-from longstraw.train.config import TrainConfig
+from longstraw.train.config import TrainConfig, without_placement
 from longstraw.train.spmd import Driver
 from longstraw.train.worker import Worker
 from longstraw.version import code_digest
@@ -55,6 +55,8 @@ def _driver() -> Driver:
 def _cache_key(name: str):
     def key(_ctx, params: dict) -> str:
         given = {k: v for k, v in params.items() if k != "parent_run_id"}  # the tracking run is not an input
+        if "config" in given:  # nor are the machines the ranks run on (a resume may run on other nodes)
+            given["config"] = without_placement(given["config"])
         blob = json.dumps(given, sort_keys=True, default=str)
         return hashlib.sha256(f"{name}\n{code_digest()}\n{blob}".encode()).hexdigest()
 

@@ -1,6 +1,7 @@
-"""Local ranks under torch's own launcher: `torchrun`, one command for every multi-rank entry point (the training
-run, `longstraw step --nproc`). torchrun starts the processes and gives each its RANK / WORLD_SIZE; nothing here
-is a launcher of our own."""
+"""Ranks under torch's own launcher: `torchrun`, one command for every multi-rank entry point (the training run,
+`longstraw step --nproc`). torchrun starts the processes and gives each its RANK / WORLD_SIZE; nothing here is a
+launcher of our own. One machine: `--standalone`. Several: every machine runs this with the same `nnodes` and
+`rdzv_endpoint`, and torchrun's c10d rendezvous there forms one job of `nproc` ranks."""
 
 from __future__ import annotations
 
@@ -9,12 +10,21 @@ import subprocess
 import sys
 
 
-def torchrun(module: str, args: list[str], nproc: int, threads: int | None = None, **run_kwargs
+def torchrun(module: str, args: list[str], nproc: int, threads: int | None = None, *, nnodes: int = 1,
+             rdzv_endpoint: str | None = None, rdzv_id: str = "longstraw", **run_kwargs
              ) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --standalone --nproc-per-node=N -m module args...`, waited for. Each rank
-    runs `threads` torch threads (default: the machine's cores divided among the ranks)."""
-    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """`python -m torch.distributed.run ... -m module args...` for this machine's nproc / nnodes ranks, waited
+    for. Each rank runs `threads` torch threads (default: the machine's cores divided among its ranks)."""
+    per_node = nproc // nnodes
+    threads = threads or max(1, (os.cpu_count() or 1) // per_node)
+    if nnodes == 1 and rdzv_endpoint is None:
+        where = ["--standalone"]
+    else:
+        # c10d: the agent on the endpoint's host serves the rendezvous store; the others connect to it. torchrun
+        # numbers the nodes itself here (it ignores --node-rank outside its static rendezvous).
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                 f"--rdzv-id={rdzv_id}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={per_node}",
            "--monitor-interval=0.5", "-m", module, *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, env=env, **run_kwargs)

@@ -97,7 +97,14 @@ class PipelineConfig(_Strict):
     ranks; each group holds one copy of the prefix state (rank r of a group owns one contiguous token range) and
     replays its share of the branches. `nproc: 1` is the same program on one process."""
 
-    nproc: int = Field(1, ge=1, description="ranks of the run (torchrun --nproc-per-node); `longstraw train --nproc`")
+    nproc: int = Field(1, ge=1, description="ranks of the run in all, over every node (the torch.distributed world "
+                       "size; each node runs nproc / nnodes of them); `longstraw train --nproc`")
+    nnodes: int = Field(1, ge=1, description="machines the ranks run on: each node starts `longstraw train --nnodes M "
+                        "--node-rank i --rdzv-endpoint HOST:PORT` (torchrun's c10d rendezvous); 1: one machine "
+                        "(torchrun --standalone)")
+    node_rank: int = Field(0, ge=0, description="this machine's place, 0..nnodes-1; rank 0 of node 0 runs the flow")
+    rdzv_endpoint: str | None = Field(None, description="HOST:PORT of the c10d rendezvous, the same on every node "
+                                      "(usually node 0's host); needed when nnodes > 1")
     sp: int | None = Field(None, ge=1, description="sequence-parallel group size C (ranks sharing one prefix state); "
                            "default nproc; nproc // sp data-parallel groups split each group's branches")
     branches_per_task: int = Field(1, ge=1, description="branches one data-parallel group replays per replay task")
@@ -122,7 +129,27 @@ class PipelineConfig(_Strict):
     def _mesh(self) -> "PipelineConfig":
         if self.nproc % self.sequence_parallel:
             raise ValueError(f"pipeline.nproc {self.nproc} is not a multiple of pipeline.sp {self.sp}")
+        if self.nproc % self.nnodes:
+            per_node = max(1, self.nproc // self.nnodes)
+            raise ValueError(f"pipeline.nproc counts the ranks of all nodes together: {self.nproc} ranks do not split "
+                             f"evenly over {self.nnodes} nodes; use a multiple of {self.nnodes}, e.g. --nproc "
+                             f"{self.nnodes * per_node} for {per_node} per node")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"pipeline.node_rank {self.node_rank} is not below nnodes {self.nnodes}; nodes are "
+                             f"numbered 0..{self.nnodes - 1} (--node-rank)")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(f"a run on {self.nnodes} nodes needs the rendezvous address: --rdzv-endpoint HOST:PORT "
+                             "(pipeline.rdzv_endpoint), the same on every node, e.g. node 0's hostname and a free port")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"pipeline.rdzv_endpoint {self.rdzv_endpoint!r} is not HOST:PORT; give e.g. "
+                                 "--rdzv-endpoint node0.cluster:29500")
         return self
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.nproc // self.nnodes
 
     @property
     def sequence_parallel(self) -> int:
@@ -131,6 +158,17 @@ class PipelineConfig(_Strict):
     @property
     def data_parallel(self) -> int:
         return self.nproc // self.sequence_parallel
+
+
+# Where this process's ranks run, not what the run computes: left out of stage cache keys and of the config a
+# resume reads back (a resume may run on other machines, another node count, another rendezvous address).
+PLACEMENT = ("nnodes", "node_rank", "rdzv_endpoint")
+
+
+def without_placement(config: dict) -> dict:
+    """A TrainConfig dict with its `pipeline` section's placement keys removed (defaults: one node)."""
+    pipeline = {k: v for k, v in config.get("pipeline", {}).items() if k not in PLACEMENT}
+    return {**config, "pipeline": pipeline}
 
 
 class TrackingConfig(_Strict):

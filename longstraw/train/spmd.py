@@ -5,8 +5,9 @@ the model and the optimizer resident for the whole run. Rank 0 also runs the orc
 each stage it runs is an op: rank 0 broadcasts it as a JSON command (`Driver.call`), every rank executes it on
 its resident model with the same arguments (`execute`: the method `Worker.OPS` names), and rank 0 gets every
 rank's small JSON result. The ops' own collectives (attention merges, FSDP gathers, gradient sums) run over the
-compute process group; commands and results over a separate gloo group, whose long timeout lets the ranks wait
-while rank 0 does rank-0-only work (rewards, tracking). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
+compute process group; commands over a separate gloo group, whose long timeout lets the ranks wait while rank 0
+does rank-0-only work (rewards, tracking), and results over another with the collective timeout (a rank that
+vanished without closing its connections, e.g. a machine that lost power, fails the gather then, not in days). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
 moves the bytes. At N = 1 the same ops run in-process without any of it.
 
 Failures. An error that every rank raises together (`Agreed`: bad or corrupted input found while loading, before
@@ -14,15 +15,22 @@ any compute collective) is raised on rank 0 and the ranks go on serving, so the 
 corrupted state and run the step again). Any other error on a rank ends the job: that rank prints it, records it
 under `<run_dir>/ranks/`, and tears down its process groups, so the others fail at once instead of waiting for the
 collective timeout; rank 0 raises `RankFailed` naming the rank and its error, ends its flow run and exits non-zero.
+A rank that records nothing (its node was lost: killed, or down) is named by rank 0 as lost, with its node and host.
 Workers then exit 0 so that torchrun leaves rank 0 time to finish its bookkeeping; the job's exit status is rank
-0's. `longstraw resume` starts a fresh job from the stored state.
+0's (a worker on another node than rank 0 exits 1, so that the scheduler sees that node's part fail too).
+`longstraw resume` starts a fresh job from the stored state, on any number of nodes.
+
+Several nodes: every rank records its node (`--node-rank`) and host at the start, and rank 0 checks that every
+rank sees the run directory it writes (the checkpoint commit and the state shards need one shared filesystem).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import uuid
 import threading
 import time
 import traceback
@@ -42,6 +50,8 @@ from ..parallel.objects import broadcast_json, gather_json
 from .config import TrainConfig
 
 CONTROL_TIMEOUT = timedelta(days=7)  # ranks wait this long for rank 0's next command
+RECORD_WAIT_S = 5.0  # after a failure, how long rank 0 waits for the other ranks' error records
+CLOCK_SKEW_S = 30.0  # records are stamped by each machine's clock; the run's start clears older ones anyway
 
 
 class RankFailed(RuntimeError):
@@ -65,10 +75,22 @@ class Ranks:
     control: dist.ProcessGroup | None
     rank: int
     world: int
+    results: dist.ProcessGroup | None = None  # gathers of results: the collective timeout (default: control)
+    places: list[dict] | None = None  # every rank's {"node", "host"}, in rank order
+
+    def where(self, rank: int) -> str:
+        """'node 1, host h1' of a rank (its launcher's --node-rank and its machine)."""
+        p = self.places[rank] if self.places else {"node": "?", "host": "?"}
+        return f"node {p['node']}, host {p['host']}"
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def beside_leader(self) -> bool:
+        """On rank 0's machine (where a worker's non-zero exit would make torchrun stop rank 0 mid-bookkeeping)."""
+        return not self.places or self.places[self.rank] == self.places[0]
 
     @property
     def distributed(self) -> bool:
@@ -79,7 +101,7 @@ class Ranks:
         return broadcast_json(value, 0, self.control)
 
     def gather(self, value) -> list:
-        return gather_json(value, self.control)
+        return gather_json(value, self.results or self.control)
 
 
 class OneProcess(Ranks):
@@ -111,13 +133,14 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
     world = int(os.environ["WORLD_SIZE"])
     p = cfg.pipeline
     if world != p.nproc:
-        raise ValueError(f"torchrun started {world} ranks but the config says pipeline.nproc {p.nproc}; start it "
-                         f"with `longstraw train --nproc {world}` or set pipeline.nproc")
+        raise ValueError(f"torchrun started {world} ranks but the config says pipeline.nproc {p.nproc} (the ranks of "
+                         f"all nodes together); start it with `longstraw train --nproc {world}` or set pipeline.nproc")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=p.collective_timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    results = dist.new_group(backend="gloo", timeout=timedelta(seconds=p.collective_timeout_s))
     if p.data_parallel == 1:
         parallel = SequenceParallel()
     else:
@@ -126,8 +149,31 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
         mesh = init_device_mesh("cuda" if cuda else "cpu", (p.data_parallel, p.sequence_parallel),
                                 mesh_dim_names=("dp", "sp"))
         parallel = SequenceParallel.from_mesh(mesh)
-    _RANKS = Ranks(parallel, control, dist.get_rank(), world)
+    ranks = Ranks(parallel, control, dist.get_rank(), world, results)
+    ranks.places = ranks.gather({"node": p.node_rank, "host": socket.gethostname()})
+    _check_shared_run_dir(cfg, ranks)
+    _RANKS = ranks
     return _RANKS
+
+
+def _check_shared_run_dir(cfg: TrainConfig, ranks: Ranks) -> None:
+    """Every rank must see the run directory rank 0 writes (ranks on other machines write their shards into it and
+    read the checkpoints): rank 0 writes a new file there, every rank looks for it; an error on every rank if not."""
+    d = _errors_dir(cfg)
+    name = None
+    if ranks.leader:
+        d.mkdir(parents=True, exist_ok=True)
+        name = f"shared-{uuid.uuid4().hex}"
+        (d / name).write_text(socket.gethostname())
+    name = ranks.broadcast(name)
+    blind = [r for r, sees in enumerate(ranks.gather((d / name).is_file())) if not sees]
+    if ranks.leader:
+        (d / name).unlink()
+    if blind:
+        raise ValueError(f"the run directory {cfg.run_dir} is not one directory for every rank: rank(s) "
+                         f"{', '.join(f'{r} ({ranks.where(r)})' for r in blind)} do not see what rank 0 "
+                         f"({ranks.where(0)}) wrote there; put run_dir on a filesystem every node mounts at the same "
+                         "path (NFS, Lustre, ...)")
 
 
 def current_ranks() -> Ranks:
@@ -154,10 +200,14 @@ def _errors_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.run_dir) / "ranks"
 
 
-def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error: BaseException) -> None:
+def _in_op(op: str, params: dict) -> str:
+    """'replay (step 1, group 0, epoch 0)'."""
     where = ", ".join(f"{k} {params[k]}" for k in ("step", "group", "epoch") if k in params)
-    line = f"rank {ranks.rank} of {ranks.world} failed in {op}{f' ({where})' if where else ''}: " \
-           f"{type(error).__name__}: {error}"
+    return f"{op}{f' ({where})' if where else ''}"
+
+
+def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error: BaseException) -> None:
+    line = f"rank {ranks.rank} of {ranks.world} failed in {_in_op(op, params)}: {type(error).__name__}: {error}"
     print(f"longstraw: {line}", file=sys.stderr, flush=True)
     d = _errors_dir(cfg)
     d.mkdir(parents=True, exist_ok=True)
@@ -235,7 +285,9 @@ def _rebuild(record: dict) -> BaseException:
 
 
 def _peer_gone(message: str) -> bool:
-    return any(m in message for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    """An error that only says another rank left or stopped answering (not why)."""
+    return any(m in message for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "Timed out waiting"))
 
 
 class Driver:
@@ -262,22 +314,32 @@ class Driver:
             except (RankFailed, RuntimeError) as e:
                 if not ranks.distributed:
                     raise
-                self._failed = RankFailed(self._who_failed(started) or str(e))
-                shutdown()
+                shutdown()  # first: ranks blocked on this one fail now and record it, which `_who_failed` reads
+                self._failed = RankFailed(self._who_failed(started, ranks, _in_op(op, params)) or str(e))
                 raise self._failed from e
 
-    def _who_failed(self, since: float) -> str | None:
+    def _who_failed(self, since: float, ranks: Ranks, in_op: str) -> str | None:
         """The failure another rank recorded during this op (it tore down the groups: our error is only 'peer
-        closed'). Waits a moment for its record."""
+        closed'); else the ranks that recorded nothing, i.e. were lost with their node. Waits a few seconds for
+        every other rank's record (each surviving rank writes one as soon as its collectives fail)."""
         d = _errors_dir(self.worker.cfg)
-        for _ in range(20):
+        stopped = f" (the job stopped; `longstraw resume {self.worker.cfg.run_dir}` continues it)"
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while True:
             found = sorted(d.glob("error-rank*.json")) if d.is_dir() else []
-            records = [r for f in found if (r := json.loads(f.read_text()))["time"] >= since - 1]
-            causes = [r for r in records if not _peer_gone(r["message"])]  # the others only saw a peer leave
+            records = {r["rank"]: r for f in found if (r := json.loads(f.read_text()))["time"] >= since - CLOCK_SKEW_S}
+            causes = [r for r in records.values() if not _peer_gone(r["message"])]  # the others saw a peer leave
             if causes:
-                return "; ".join(r["message"] for r in causes) + " (the job stopped; `longstraw resume` continues it)"
+                return "; ".join(r["message"] for r in causes) + stopped
+            if len(records.keys() - {0}) >= ranks.world - 1 or time.monotonic() > deadline:
+                break
             time.sleep(0.1)
-        return None
+        lost = [r for r in range(1, ranks.world) if r not in records]
+        if not lost:
+            return None
+        return (f"lost rank(s) {', '.join(f'{r} of {ranks.world} ({ranks.where(r)})' for r in lost)} in {in_op}: "
+                f"no answer and no error recorded; its processes were killed, or its machine is down or "
+                f"unreachable" + stopped)
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loop (after the run, or after it failed)."""
@@ -312,7 +374,10 @@ def clear_failures(cfg: TrainConfig) -> None:
 # ---- launching --------------------------------------------------------------------------------------------------
 
 def launch(cfg: TrainConfig, progress: bool = True) -> int:
-    """Start the run on `pipeline.nproc` local ranks under torchrun (`flows.ranks` on each); returns its exit
-    status. Threads per rank: `threads`, or the cores divided among the ranks."""
+    """Start this node's ranks of the run under torchrun (`flows.ranks` on each; all `pipeline.nproc` of them on
+    one node, nproc / nnodes on each of several, which meet at `rdzv_endpoint`); returns its exit status. Threads
+    per rank: `threads`, or the cores divided among the node's ranks."""
+    p = cfg.pipeline
     args = ["--config-json", cfg.model_dump_json(), *([] if progress else ["--no-progress"])]
-    return torchrun("flows.ranks", args, cfg.pipeline.nproc, cfg.threads).returncode
+    return torchrun("flows.ranks", args, p.nproc, cfg.threads, nnodes=p.nnodes, rdzv_endpoint=p.rdzv_endpoint
+                    ).returncode

@@ -23,9 +23,13 @@ HOOKS = Path(__file__).parent / "hooks"
 TIMEOUT = 300
 
 
+def _env(**env) -> dict[str, str]:
+    """The environment of a `longstraw` command under test: the test hooks loaded, and `env`."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT)]), **env}
+
+
 def _cli(args: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), str(ROOT)]), **env}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--no-progress"], cwd=ROOT, env=full,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--no-progress"], cwd=ROOT, env=_env(**env),
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 

@@ -4,6 +4,8 @@ rank) whose PYTHONPATH starts with this directory. Nothing in the library knows 
 LONGSTRAW_TEST_COUNTS=<dir>: each rank appends one line per worker start ("start") and per model it loads or
 builds ("load") to <dir>/rank<RANK>.txt.
 LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>: that rank raises in that op of that step.
+LONGSTRAW_TEST_STALL=<op>:<step>:<rank>:<file>: in that op of that step, that rank writes its PID and its
+launcher's process group (torchrun's, which runs each rank in a session of its own) to <file> and sleeps.
 """
 
 import functools
@@ -11,6 +13,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 
 WATCHED = ("longstraw.train.worker", "longstraw.train.checkpoint")
 
@@ -46,15 +49,35 @@ def _patch(module) -> None:
     fault = os.environ.get("LONGSTRAW_TEST_FAULT")
     if fault and module.__name__ == "longstraw.train.worker":
         op, step, rank = fault.split(":")
-        original = module.Worker.OPS[op]
 
-        @functools.wraps(original)
-        def faulty(self, *a, **kw):
-            if kw.get("step") == int(step) and os.environ.get("RANK") == rank:
-                raise RuntimeError(f"injected {op} fault on rank {rank}")
-            return original(self, *a, **kw)
+        def fail(self, *a, **kw):
+            raise RuntimeError(f"injected {op} fault on rank {rank}")
 
-        module.Worker.OPS[op] = faulty
+        _instead(module, op, int(step), rank, fail)
+    stall = os.environ.get("LONGSTRAW_TEST_STALL")
+    if stall and module.__name__ == "longstraw.train.worker":
+        op, step, rank, marker = stall.split(":", 3)
+
+        def sleep(self, *a, **kw):
+            with open(marker + ".tmp", "w") as f:
+                f.write(f"{os.getpid()} {os.getpgid(os.getppid())}")
+            os.replace(marker + ".tmp", marker)
+            time.sleep(600)
+
+        _instead(module, op, int(step), rank, sleep)
+
+
+def _instead(module, op: str, step: int, rank: str, fn) -> None:
+    """Run `fn` instead of the worker's op `op` at that step on that rank."""
+    original = module.Worker.OPS[op]
+
+    @functools.wraps(original)
+    def patched(self, *a, **kw):
+        if kw.get("step") == step and os.environ.get("RANK") == rank:
+            return fn(self, *a, **kw)
+        return original(self, *a, **kw)
+
+    module.Worker.OPS[op] = patched
 
 
 class _Loader(importlib.abc.Loader):
@@ -83,5 +106,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("LONGSTRAW_TEST_COUNTS") or os.environ.get("LONGSTRAW_TEST_FAULT"):
+if any(os.environ.get(f"LONGSTRAW_TEST_{what}") for what in ("COUNTS", "FAULT", "STALL")):
     sys.meta_path.insert(0, _Finder())
