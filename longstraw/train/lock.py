@@ -2,7 +2,13 @@
 
 `flock` on `<run_dir>/.lock`: the kernel drops it when the holding process dies (kill -9 included), so a stale
 lock never blocks a resume. The file says who holds it (PID, host, start time) for the error a second run gets.
-On filesystems without working flock (some NFS set-ups) use a local run directory.
+
+Several machines: the run directory is shared, and the holder (rank 0) may run on another machine than a second
+run's launcher, so liveness is never judged from the PID (it means nothing off its host; nothing here signals or
+probes it): only the lock itself says the holder lives. That needs a flock every machine mounting the directory
+honours: local disks, NFSv4 (Linux maps flock onto NFS byte-range locks; the server drops a dead client's locks
+when its lease expires), Lustre mounted with `-o flock`, CephFS, GPFS; not Lustre's `-o localflock` nor NFS
+mounted `nolock`, where a second run on another machine would get the lock too.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class RunLock:
                 f"or stop it, or use another --run-dir") from None
         f.seek(0)
         f.truncate()
+        # the host with the PID: with the run directory shared, the holder may be on another machine
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}))
         f.flush()

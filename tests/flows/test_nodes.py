@@ -8,6 +8,7 @@ resume` on one node then ends with the weights of the uninterrupted run. Gloo us
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,20 +25,88 @@ LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
 COLLECTIVE_TIMEOUT_S = 60
 
 
+@pytest.mark.parametrize("pipeline, message", [
+    ({"nproc": 3, "nnodes": 2, "rdzv_endpoint": "h:1"}, "counts the ranks of all nodes together: 3 ranks do not split "
+     "evenly over 2 nodes; use a multiple of 2, e.g. --nproc 2 for 1 per node"),
+    ({"nproc": 4, "nnodes": 2}, "needs the rendezvous address: --rdzv-endpoint HOST:PORT"),
+    ({"nproc": 4, "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank 2 is not below nnodes 2"),
+    ({"nproc": 4, "nnodes": 2, "rdzv_endpoint": "node0"}, "'node0' is not HOST:PORT"),
+])
+def test_placement_is_validated_with_the_fix(tmp_path, pipeline, message):
+    from longstraw.train.config import TrainConfig
+    from tests.flows.test_train_flow import config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig.model_validate({**config(tmp_path), "pipeline": pipeline})
+
+
+def test_a_placement_error_on_the_command_line_names_the_fix(tmp_path, capsys):
+    from flows.cli import main
+
+    assert main(["train", "--config", str(_yaml(tmp_path, "run")), "--nproc", "2", "--nnodes", "2"]) == 2
+    err = capsys.readouterr().err
+    # load_config's form: the file, then pydantic's lines naming the field
+    assert err.startswith("longstraw train: error: invalid config") and "Traceback" not in err, err
+    assert "a run on 2 nodes needs the rendezvous address: --rdzv-endpoint HOST:PORT" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_line_per_placement(monkeypatch):
+    """One node: --standalone; several: c10d at the endpoint, nproc / nnodes ranks on each (torchrun numbers the
+    nodes itself there: --node-rank is not passed, it would be ignored with a warning)."""
+    from longstraw.parallel import launch
+
+    seen = []
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: seen.append((cmd, kw["env"])))
+    launch.torchrun("flows.ranks", ["--x"], 8, nnodes=4, rdzv_endpoint="node0:29500")
+    launch.torchrun("flows.ranks", ["--x"], 2)
+    (multi, env), (one, _) = seen
+    assert multi[multi.index("torch.distributed.run") + 1:multi.index("-m", 3)] == [
+        "--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=longstraw",
+        "--nproc-per-node=2", "--monitor-interval=0.5"]
+    assert "--standalone" in one and "--nproc-per-node=2" in one and not any("rdzv" in a for a in one)
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+
+
+def test_placement_is_neither_in_cache_keys_nor_resumed(tmp_path):
+    """Where the ranks ran does not change what a stage computes (its cached result holds on other nodes), and a
+    resume runs where its command line says (one node by default), not where the stopped run ran."""
+    import argparse
+    import json
+
+    from flows.cli import _overrides, _resume_config
+    from longstraw.config import with_overrides
+    from tasks.stages import _cache_key
+    from tests.flows.test_train_flow import config
+
+    here = config(tmp_path, pipeline={"nproc": 4})
+    there = config(tmp_path, pipeline={"nproc": 4, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "n0:29500"})
+    key = _cache_key("capture")
+    assert key(None, {"config": here, "step": 1}) == key(None, {"config": there, "step": 1})
+    assert key(None, {"config": here, "step": 1}) != key(None, {"config": config(tmp_path), "step": 1})
+    (tmp_path / "config.json").write_text(json.dumps(there))
+    stored = _resume_config(str(tmp_path))
+    assert stored["pipeline"]["nproc"] == 4 and not {"nnodes", "node_rank", "rdzv_endpoint"} & stored["pipeline"].keys()
+    args = argparse.Namespace(nproc=None, nnodes=2, node_rank=0, rdzv_endpoint="m:1", run_dir=None, steps=None)
+    resumed = with_overrides(stored, _overrides(args))["pipeline"]
+    assert (resumed["nproc"], resumed["nnodes"], resumed["node_rank"], resumed["rdzv_endpoint"]) == (4, 2, 0, "m:1")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _nodes(config: Path, tmp_path: Path, stall: dict | None = None) -> list[subprocess.Popen]:
+def _nodes(config: Path, tmp_path: Path, stall: dict | None = None, cwds: tuple = (ROOT, ROOT)
+           ) -> list[subprocess.Popen]:
     """Node 0 and node 1 of a 2-rank run (one rank each), each launcher in a process group of its own; `stall`:
     the test hooks' environment for node 1 only."""
     endpoint = f"127.0.0.1:{_free_port()}"
     return [subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", "--config", str(config), "--nproc", "2", "--nnodes", "2",
          "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--no-progress"],
-        cwd=ROOT, env=_env(**LOOPBACK, **(stall if node == 1 and stall else {})), stdout=subprocess.PIPE,
+        cwd=cwds[node], env=_env(**LOOPBACK, **(stall if node == 1 and stall else {})), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
 
 
@@ -107,3 +176,25 @@ def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
     got = _final(tmp_path, "run")
     assert got.keys() == one_node.keys()
     assert all(torch.equal(got[k], one_node[k]) for k in got)
+
+
+def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
+    """A relative run_dir on nodes in different working directories: two directories, not one. Every rank stops
+    at the start with the same error, naming the rank that does not see rank 0's directory."""
+    import yaml
+
+    cfg = yaml.safe_load(_yaml(tmp_path, "run").read_text())
+    cfg["run_dir"] = "run"
+    config = tmp_path / "relative.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cwds = (tmp_path / "a", tmp_path / "b")
+    for d in cwds:
+        d.mkdir()
+    procs = _nodes(config, tmp_path, cwds=cwds)
+    outs = _wait(procs, TIMEOUT)
+    assert all(p.returncode != 0 for p in procs), outs
+    for out in outs:
+        line = next((x for x in out.splitlines() if "ValueError: the run directory run is not one" in x), None)
+        assert line is not None, out[-3000:]
+        assert "do not see what rank 0" in line and "every node mounts at the same path" in line, line
+    assert not any((d / "run" / "checkpoints").exists() for d in cwds)  # nothing trained
