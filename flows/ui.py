@@ -42,10 +42,15 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
             pass
 
 
+def _client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host` (a wildcard bind is reached on loopback)."""
+    return LOOPBACK if host in ("", "0.0.0.0", "::") else host
+
+
 def _spawn(name: str, cmd: list[str], env: dict[str, str], host: str, port: int, path: str,
            logs: str | os.PathLike) -> tuple[str, subprocess.Popen, Path]:
     """Start server `cmd` on host:port; returns (URL of `path`, process, its log file)."""
-    client = LOOPBACK if host in ("", "0.0.0.0", "::") else host  # a wildcard bind is reached on loopback
+    client = _client_host(host)
     with socket.socket() as s:
         s.settimeout(0.5)
         if s.connect_ex((client, port)) == 0:
@@ -79,6 +84,9 @@ def _wait(name: str, url: str, proc: subprocess.Popen, log: Path, timeout: float
 def _prefect(port: int, home: str | os.PathLike | None, host: str, logs: str | os.PathLike):
     env = {**_ENV, **os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the server must not talk to some other API while it starts
+    # the API the UI's pages call: Prefect's default is port 4200 whatever --port says; a user's setting wins
+    if "PREFECT_UI_API_URL" not in env:
+        env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{_client_host(host)}:{port}/api")
     if home is not None:
         Path(home).mkdir(parents=True, exist_ok=True)
         env["PREFECT_HOME"] = str(Path(home).resolve())

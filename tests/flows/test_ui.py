@@ -33,6 +33,7 @@ def test_start_ui_serves_prefect_and_mlflow_on_loopback(tmp_path):
         assert ui.prefect_api_url == f"http://127.0.0.1:{pport}/api"
         assert ui.mlflow_url == f"http://127.0.0.1:{mport}"
         assert json.loads(_get(f"{ui.prefect_api_url}/health")) is True
+        assert json.loads(_get(f"{ui.prefect_url}/ui-settings"))["api_url"] == ui.prefect_api_url  # the UI's API
         assert _get(f"{ui.mlflow_url}/health").strip() == b"OK"
         found = json.loads(_get(f"{ui.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=10"))
         assert "Default" in [e["name"] for e in found["experiments"]]

@@ -1,0 +1,238 @@
+"""The UI trigger, clicked (issue 25): `longstraw ui` and `longstraw serve` (which registers the nightly deployment)
+run here on 127.0.0.1; headless Chromium, driven by Selenium, opens the deployment's page in the Prefect UI, starts
+a custom run with `steps` changed in its form, and watches the flow run complete; the MLflow UI then lists the
+run's nested stage runs. Needs Debian's `chromium` and `chromium-driver` (`make test` installs them where apt-get
+is usable); skipped without them. LONGSTRAW_SCREENSHOTS=docs/img rewrites the README's screenshots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("prefect")
+pytest.importorskip("mlflow")
+pytest.importorskip("selenium", reason="selenium is not installed (it is in the dev extras: pip install -e '.[dev]')")
+
+from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    ElementClickInterceptedException,
+    ElementNotInteractableException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.remote.webelement import WebElement  # noqa: E402
+from selenium.webdriver.support import expected_conditions as EC  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+from flows.ui import free_port, stop_process  # noqa: E402
+from tests.flows.test_serve import ROOT, final_state, registered, serving, wait_for  # noqa: E402
+from tests.flows.test_train_flow import config  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="Chromium is not installed: apt-get install chromium chromium-driver (`make test` does where it can)")
+
+# headless as root on a closed network: without the background-networking flags Chromium's own connections
+# (updates, sync, field trials) are refused en masse and slow it down
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1400,1000")
+TIME_LIMIT_S = 420  # the whole test; about 90 s on an idle 2-core machine
+WAIT_S = 60  # one page element (the first Prefect UI page load takes ~7 s there)
+RUN_NAME = "custom-run-from-chromium"  # typed into the form: the flow run and its MLflow parent run carry it
+STAGES = {"capture", "rollout", "reward", "replay", "prompt", "optimizer"}  # nested runs each step must have
+
+
+@contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """TimeoutError in this (the main) thread after `seconds`, so that a hung page or server fails the test and
+    the context managers inside still clean up."""
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the browser test ran past its {seconds} s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@contextmanager
+def longstraw_ui(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """`longstraw ui` on two free ports with its state under `tmp_path`; yields (Prefect URL, MLflow URL) once it
+    reports both servers up; stops it (and so both servers) on exit."""
+    pport, mport = free_port(), free_port()
+    log = tmp_path / "ui.log"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(pport), "--mlflow-port", str(mport),
+           "--mlflow-store", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    ui = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                          start_new_session=True)
+    servers: list[int] = []
+    try:
+        def up() -> bool | None:
+            assert ui.poll() is None, f"longstraw ui exited with code {ui.returncode}:\n{log.read_text()[-4000:]}"
+            return True if "Press Ctrl-C" in log.read_text() else None  # printed once both answer health checks
+
+        wait_for("longstraw ui", up, 180, log)
+        servers = _children(ui.pid)
+        yield f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{mport}"
+    finally:
+        stop_process(ui, timeout=30)  # SIGTERM: `longstraw ui` stops both servers and exits
+        for pid in servers:  # in their own process groups: reached here only if `longstraw ui` did not stop them
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@contextmanager
+def chromium() -> Iterator[webdriver.Chrome]:
+    """Headless Debian Chromium through its chromedriver, a fresh profile; both quit (process group) on exit."""
+    profile = tempfile.mkdtemp(prefix="longstraw-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    # chromedriver in its own process group, with Chromium below it: stop_process reaches both
+    service = Service(CHROMEDRIVER, popen_kw={"start_new_session": True})
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        try:
+            driver.quit()
+        finally:
+            stop_process(service.process, timeout=5)
+            shutil.rmtree(profile, ignore_errors=True)
+
+
+def click(driver: webdriver.Chrome, xpath: str) -> WebElement:
+    """Click the element at `xpath` once it is there and takes the click (not covered, e.g. while a toast slides
+    in); returns it."""
+    def attempt(d: webdriver.Chrome) -> WebElement:
+        element = d.find_element(By.XPATH, xpath)
+        element.click()
+        return element
+
+    not_yet = (NoSuchElementException, ElementClickInterceptedException, ElementNotInteractableException,
+               StaleElementReferenceException)
+    return WebDriverWait(driver, WAIT_S, ignored_exceptions=not_yet).until(attempt)
+
+
+def present(driver: webdriver.Chrome, xpath: str) -> WebElement:
+    return WebDriverWait(driver, WAIT_S).until(EC.presence_of_element_located((By.XPATH, xpath)))
+
+
+def screenshot(driver: webdriver.Chrome, name: str, tmp_path: Path) -> None:
+    """Into $LONGSTRAW_SCREENSHOTS (relative to the repository root) when set, else into tmp_path."""
+    where = ROOT / os.environ["LONGSTRAW_SCREENSHOTS"] if os.environ.get("LONGSTRAW_SCREENSHOTS") else tmp_path
+    where.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(where / name))
+
+
+def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, tmp_path: Path) -> str:
+    """What a person does in the Prefect UI: Run -> Custom run, type a run name, double-click the value of
+    `steps` in the `config` editor and type another, Submit, then click the new run. Returns the flow run
+    page's URL."""
+    driver.get(deployment_url)
+    click(driver, "//button[normalize-space()='Run']")
+    click(driver, "//*[normalize-space()='Custom run']")
+    name = click(driver, "//div[contains(@class, 'flow-run-name-input')]//input")
+    name.send_keys(Keys.CONTROL, "a")
+    name.send_keys(RUN_NAME)
+    # the editor is a transparent textarea over a highlighted copy of its text: the number's span shows where
+    # to double-click, and the double-click selects it in the textarea
+    number = present(driver, "//span[@class='hljs-attr' and .='\"steps\"']"
+                             "/following-sibling::span[@class='hljs-number'][1]")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", number)
+    ActionChains(driver).double_click(number).send_keys(str(steps)).perform()
+    editor = driver.find_element(By.CSS_SELECTOR, "textarea.p-code-input__textarea")
+    assert f'"steps": {steps},' in editor.get_property("value")  # the edit landed in the parameter's text
+    screenshot(driver, "prefect-ui-custom-run.png", tmp_path)
+    click(driver, "//form//button[@type='submit']")
+    click(driver, f"//a[normalize-space()='{RUN_NAME}']")  # the new run, listed on the deployment's page
+    WebDriverWait(driver, WAIT_S).until(EC.url_contains("/runs/flow-run/"))
+    return driver.current_url
+
+
+def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_stages(tmp_path):
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with time_limit(TIME_LIMIT_S), longstraw_ui(tmp_path) as (prefect_url, mlflow_url):
+        api = f"{prefect_url}/api"
+        cfg = config(tmp_path / "run", steps=1, tracking={"uri": mlflow_url})
+        # a daily cron 12 hours away: no scheduled run competes with the clicked one for the run directory
+        cfg["schedule"] = {"deployment": "nightly", "cron": f"0 {(time.gmtime().tm_hour + 12) % 24} * * *"}
+        cfg_path = tmp_path / "train.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        log = tmp_path / "serve.log"
+        with serving(cfg_path, api, tmp_path / "prefect-home", log) as serve, \
+                temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client, \
+                chromium() as driver:
+            dep = registered(client, "grpo-train/nightly", serve, log)
+            assert dep.parameters["config"]["steps"] == 1
+            page = start_custom_run(driver, f"{prefect_url}/deployments/deployment/{dep.id}", 2, tmp_path)
+            run_id = page.split("/runs/flow-run/")[1].split("?")[0]
+            state = final_state(client, run_id, log)
+            run = client.read_flow_run(run_id)
+            assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
+            assert run.deployment_id == dep.id and run.name == RUN_NAME
+            assert run.parameters["config"]["steps"] == 2  # the value typed in the form, not the deployment's 1
+            # the page follows the run by itself: its state badge turns Completed
+            present(driver, "//*[contains(@class, 'state-badge') and normalize-space()='Completed']")
+            screenshot(driver, "prefect-ui-run.png", tmp_path)
+
+            mlflow = MlflowClient(tracking_uri=mlflow_url)
+            exp = mlflow.get_experiment_by_name(cfg["tracking"]["experiment"])
+            (parent,) = mlflow.search_runs([exp.experiment_id], f"attributes.run_name = 'grpo-train {RUN_NAME}'")
+            assert parent.data.params["steps"] == "2" and parent.info.status == "FINISHED"
+            nested = {r.info.run_name for r in mlflow.search_runs(
+                [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+            for step in (0, 1):  # both steps trained: the changed `steps` took effect
+                assert STAGES <= {n.split()[0] for n in nested if f" step={step} " in f"{n} "}, sorted(nested)
+
+            driver.set_window_size(1400, 1300)  # every nested run in view for the screenshot
+            driver.get(f"{mlflow_url}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning")
+            click(driver, "//button[@aria-label='Close' and contains(@data-component-id, 'assistant')]")
+            # the "+" beside the parent run's name expands its nested runs
+            click(driver, f"//a[contains(@href, '/runs/{parent.info.run_id}')]/ancestor::div[@role='gridcell']//button")
+            names = "//div[@col-id='attributes.`Run Name`']//a//span"
+            WebDriverWait(driver, WAIT_S).until(lambda d: len(d.find_elements(By.XPATH, names)) > len(nested))
+            listed = {e.get_attribute("textContent") for e in driver.find_elements(By.XPATH, names)}
+            assert listed == nested | {parent.info.run_name}, sorted(listed ^ (nested | {parent.info.run_name}))
+            screenshot(driver, "mlflow-ui-runs.png", tmp_path)
+        assert (tmp_path / "run" / "checkpoints" / "update-000002" / "trainer.json").is_file()
