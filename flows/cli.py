@@ -162,8 +162,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    "e.g. node 0's host name and a free port (pipeline.rdzv_endpoint)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `longstraw` script: the library's commands plus the pipeline's."""
+def parser() -> argparse.ArgumentParser:
+    """The `longstraw` command line: the library's commands plus the pipeline's."""
     parser, sub = build_parser()
     p = sub.add_parser("train", help="GRPO training run (Prefect flow, MLflow tracking); continues its run dir")
     p.add_argument("--config", default="configs/train-tiny.yaml", help="YAML TrainConfig")
@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--mlflow-store", help="MLflow backend store URI (default: sqlite under ./runs)")
     p.set_defaults(func=ui)
-    return run(parser, argv, user_errors=(RunDirLocked,))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `longstraw` script."""
+    return run(parser(), argv, user_errors=(RunDirLocked,))
 
 
 if __name__ == "__main__":

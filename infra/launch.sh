@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # Launch a LongStraw command on a GPU machine under torchrun.
 #
-#   infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>
+#   infra/launch.sh [--nproc N] [--nnodes M --node-rank I --rdzv-endpoint HOST:PORT] [--deepspeed ds_config.json]
+#                   [--module M] [--dry-run] -- <longstraw args...>
 #
 #   infra/launch.sh --nproc 1 -- train --config configs/train-tiny.yaml
 #   infra/launch.sh --nproc 2 --deepspeed infra/deepspeed/zero2.json -- train --config configs/train-tiny.yaml
+#   infra/launch.sh --nproc 8 --nnodes 4 --node-rank 1 --rdzv-endpoint node0:29500 -- train --config X.yaml
 #
 # runs   torchrun --standalone --nproc-per-node N -m flows.cli <args...>
+#        with --nnodes M > 1 (on every node, each with its own --node-rank):
+#        torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID --nproc-per-node N
+#                 -m flows.cli <args...> --nnodes M --node-rank I --rdzv-endpoint HOST:PORT
+#        (the placement is also given to train / resume, whose ranks name their node in errors; torchrun's c10d
+#        rendezvous numbers the nodes itself; ID is $LONGSTRAW_RDZV_ID, else $SLURM_JOB_ID, else "longstraw")
 #        with --deepspeed: the same, with LONGSTRAW_DEEPSPEED_CONFIG=<absolute path of ds_config.json> exported
+#
+# N is per node here (this machine's GPUs); `longstraw train --nproc` counts the ranks of all nodes.
 #
 # N defaults to the number of visible GPUs: the entries of CUDA_VISIBLE_DEVICES when it is set, else the lines of
 # `nvidia-smi -L`; 1 when there is no GPU. `flows.cli` is the module behind the installed `longstraw` command
@@ -33,7 +42,7 @@ usage() {
 
 die() {
     echo "error: $*" >&2
-    echo "usage: infra/launch.sh [--nproc N] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>" >&2
+    echo "usage: infra/launch.sh [--nproc N] [--nnodes M --node-rank I --rdzv-endpoint HOST:PORT] [--deepspeed ds_config.json] [--module M] [--dry-run] -- <longstraw args...>" >&2
     echo "       (infra/launch.sh --help for details)" >&2
     exit 2
 }
@@ -54,6 +63,9 @@ visible_gpus() {
 }
 
 NPROC=""
+NNODES=1
+NODE_RANK=""
+RDZV_ENDPOINT=""
 DS_CONFIG=""
 MODULE="${LONGSTRAW_MODULE:-flows.cli}"
 DRY_RUN=0
@@ -62,6 +74,12 @@ while [[ $# -gt 0 ]]; do
         -h|--help) usage; exit 0 ;;
         --nproc) [[ $# -ge 2 ]] || die "--nproc needs a number"; NPROC="$2"; shift 2 ;;
         --nproc=*) NPROC="${1#*=}"; shift ;;
+        --nnodes) [[ $# -ge 2 ]] || die "--nnodes needs a number"; NNODES="$2"; shift 2 ;;
+        --nnodes=*) NNODES="${1#*=}"; shift ;;
+        --node-rank) [[ $# -ge 2 ]] || die "--node-rank needs a number"; NODE_RANK="$2"; shift 2 ;;
+        --node-rank=*) NODE_RANK="${1#*=}"; shift ;;
+        --rdzv-endpoint) [[ $# -ge 2 ]] || die "--rdzv-endpoint needs HOST:PORT"; RDZV_ENDPOINT="$2"; shift 2 ;;
+        --rdzv-endpoint=*) RDZV_ENDPOINT="${1#*=}"; shift ;;
         --deepspeed) [[ $# -ge 2 ]] || die "--deepspeed needs a config file"; DS_CONFIG="$2"; shift 2 ;;
         --deepspeed=*) DS_CONFIG="${1#*=}"; shift ;;
         --module) [[ $# -ge 2 ]] || die "--module needs a module name"; MODULE="$2"; shift 2 ;;
@@ -81,6 +99,22 @@ if [[ -z "$NPROC" ]]; then
     fi
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "--nnodes must be a positive integer, got '$NNODES'"
+WHERE=(--standalone)
+PLACEMENT=()
+if [[ "$NNODES" -gt 1 ]]; then
+    [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
+        || die "--nnodes $NNODES needs --node-rank 0..$((NNODES - 1)) (this node's), got '$NODE_RANK'"
+    [[ "$RDZV_ENDPOINT" =~ ^[^:]+:[0-9]+$ ]] \
+        || die "--nnodes $NNODES needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. node 0's host:29500)"
+    WHERE=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+           --rdzv-id "${LONGSTRAW_RDZV_ID:-${SLURM_JOB_ID:-longstraw}}")
+    case "$1" in
+        train|resume) PLACEMENT=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-endpoint "$RDZV_ENDPOINT") ;;
+    esac
+elif [[ -n "$NODE_RANK$RDZV_ENDPOINT" ]]; then
+    die "--node-rank and --rdzv-endpoint are for several nodes; give --nnodes too"
+fi
 
 
 # prefer the repository's venv when run from its root
@@ -98,7 +132,7 @@ if [[ -n "$DS_CONFIG" ]]; then
     LONGSTRAW_DEEPSPEED_CONFIG="$(cd "$(dirname "$DS_CONFIG")" && pwd)/$(basename "$DS_CONFIG")"
     export LONGSTRAW_DEEPSPEED_CONFIG
 fi
-CMD=("${BIN}torchrun" --standalone --nproc-per-node "$NPROC" -m "$MODULE" "$@")
+CMD=("${BIN}torchrun" "${WHERE[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "$@" ${PLACEMENT[@]+"${PLACEMENT[@]}"})
 if [[ -n "$BIN" && ! -x "${BIN}torchrun" ]]; then CMD[0]="torchrun"; fi
 
 if [[ "$DRY_RUN" -eq 1 ]]; then
