@@ -90,11 +90,12 @@ def _plan(args: argparse.Namespace) -> int:
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpoint_layers]
     kw = dict(zero=args.zero, chunk=args.chunk, checkpoint_layers=ckpt, responses=args.responses,
               response_tokens=args.response_tokens, profile=profile, lora=lora, rope_scaling=rope,
-              precision=args.precision, offload=args.offload)
+              precision=args.precision, offload=args.offload,
+              expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel])
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], r["chunk"], args.responses, args.response_tokens, dp=r["dp"],
-                     zero=args.zero, by_layer=r["prompt_order"] == "layers")
+                     zero=args.zero, by_layer=r["prompt_order"] == "layers", expert_parallel=r["expert_parallel"])
     time = step_time(work, args.tflops, args.link_gbps)
     print(format_plan(r, *fits))
     print(format_work(work, time, args.tflops, args.link_gbps))
@@ -171,6 +172,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "(optim.mixed_precision, default); bf16; fp32")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="optimizer offload: master weights and moments on the host (DeepSpeed's CPU Adam)")
+    p.add_argument("--expert-parallel", choices=("auto", "on", "off"), default="auto",
+                   help="MoE under ZeRO-2/3: each rank keeps experts / N whole experts and the tokens travel to them "
+                   "(optim.expert_parallel; auto: when the experts split evenly over the GPUs)")
     p.add_argument("--responses", type=int, default=8, help="G")
     p.add_argument("--response-tokens", type=int, default=1024, help="R")
     p.add_argument("--activation-kb", type=float, help="activations per token (KB) instead of measuring them")

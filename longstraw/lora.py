@@ -11,7 +11,9 @@ What PEFT cannot wrap here, and why:
   adapter on it would be silently ignored. Its other projections (`q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`,
   `o_proj`) wrap.
 - routed MoE experts: stored fused as parameters (`experts.gate_up_proj`, `experts.down_proj`, as transformers
-  stores them), not modules; the shared experts and dense MLPs wrap.
+  stores them), not modules; the shared experts and dense MLPs wrap. A `down_proj` target also reaches the
+  experts' fused `down_proj` through PEFT's parameter wrapper; such a model is not expert-parallel
+  (parallel/experts.py).
 - Gated DeltaNet's `conv1d` (read directly) and the DSA indexer's `weights_proj` (its selection is not
   differentiated).
 Adapter dropout is refused: exact mode recomputes prompt chunks and needs the same forward each time.

@@ -45,10 +45,19 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
+def _adapted(model: nn.Module) -> bool:
+    """Whether PEFT wraps any fused-experts module (a LoRA target that names `down_proj` also names the experts'
+    fused parameter): its adapters hold every expert's rows, which this layout does not split."""
+    wrapped = {id(m.base_layer) for m in model.modules() if isinstance(getattr(m, "base_layer", None), nn.Module)}
+    return any(id(m) in wrapped for m in expert_modules(model))
+
+
 def experts_divide(model: nn.Module) -> bool:
-    """Whether `model` has fused experts and their count splits evenly over the torch.distributed ranks."""
+    """Whether `model` has fused experts without adapters whose count splits evenly over the torch.distributed
+    ranks (expert parallelism's `auto`)."""
     experts = expert_modules(model)
-    return bool(experts) and all(m.gate_up_proj.shape[0] % dist.get_world_size() == 0 for m in experts)
+    return (bool(experts) and not _adapted(model)
+            and all(m.gate_up_proj.shape[0] % dist.get_world_size() == 0 for m in experts))
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
@@ -56,6 +65,10 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     DTensors sharded on the expert axis (this rank's slice of the weights it holds; meta stays meta), and its
     forward routes tokens (`ExpertGroup`). Returns the parameters, for FSDP to leave alone."""
     n, rank = mesh.size(), mesh.get_local_rank()
+    if _adapted(model):
+        raise ValueError("LoRA adapters on the routed experts (a target named down_proj or gate_up_proj wraps them "
+                         "too) are not expert-parallel; set optim.expert_parallel: false (FSDP then gathers the "
+                         "experts), or leave the experts' projections out of lora.target_modules")
     owned: set[nn.Parameter] = set()
     for module in expert_modules(model):
         experts = module.gate_up_proj.shape[0]

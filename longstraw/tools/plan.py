@@ -20,6 +20,9 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
     their log-softmax and its gradient);
   - FSDP's reduction of the largest unit's gradient (ZeRO-3: the root, embedding and LM head, on large
     vocabularies): its unsharded bf16 gradient and the fp32 copy reduce-scattered.
+- with expert parallelism (MoE under ZeRO-2/3, parallel/experts.py) the gathered units leave the experts out
+  (each rank keeps its E / N whole), and a MoE layer's all-to-all buffers are added: the rows a rank sends and
+  receives (tokens x top-k, there and back), for balanced routing (a rank whose experts are favoured gets more).
 The rehearsal (`--rehearse`, tools/rehearse.py) runs the step's code at full size under fake tensors to check it.
 """
 
@@ -32,9 +35,11 @@ import torch
 from ..engine import EngineConfig, boundary_interval
 from ..engine.chunks import checkpoint_every
 from ..models.common.head import default_head_chunk
+from ..models.common.moe import MoE
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
+from ..parallel.experts import expert_modules
 from ..train.precision import Offload, Precision, optimizer_bytes
 from .activations import ActivationProfile, LayerKind, activation_profile
 from .state_size import state_size
@@ -91,15 +96,37 @@ def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
             "layers": len(rows)}
 
 
-def _fsdp_transients(meta, zero: int, precision: Precision, frozen: bool) -> tuple[float, float]:
+def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
+    """Whether the step runs expert-parallel: as asked, else (as `shard_model`) whenever the model has fused
+    experts under ZeRO-2/3 and they split evenly over the GPUs."""
+    experts = expert_modules(meta)
+    fits = bool(experts) and zero >= 2 and all(e.gate_up_proj.shape[0] % gpus == 0 for e in experts)
+    if asked and not fits:
+        raise ValueError("--expert-parallel on needs a MoE model under --zero 2 or 3 whose experts split evenly "
+                         f"over the {gpus} GPUs")
+    return fits if asked is None else asked
+
+
+def _all_to_all_bytes(meta, rows_per_token: float, width: int) -> float:
+    """Bytes per token of one MoE layer's expert-parallel buffers: each (token, expert) row sent and received,
+    there and back."""
+    moe = [m for m in meta.modules() if isinstance(m, MoE)]
+    if not moe:
+        return 0.0
+    return 4 * moe[0].gate.top_k * meta.config.hidden_size * width * rows_per_token
+
+
+def _fsdp_transients(meta, zero: int, precision: Precision, frozen: bool, experts_local: bool = False
+                     ) -> tuple[float, float]:
     """ZeRO-2/3 (FSDP): (the bf16 copies of the units gathered at once: the largest layer and the next one it
     prefetches, and the root (embedding and LM head); the reduction of the largest unit's gradient: its unsharded
     gradient and, with bf16-mixed, the fp32 copy FSDP reduce-scatters; none for `frozen` weights (LoRA: the
-    adapters' is small))."""
+    adapters' is small)). `experts_local`: expert parallelism, the experts in no unit."""
     if zero < 2:
         return 0.0, 0.0
     width = 4 if precision == "fp32" else 2
-    largest = max(sum(p.numel() for p in layer.parameters()) for layer in meta.model.layers)
+    left_out = {id(p) for e in expert_modules(meta) for p in e.parameters()} if experts_local else set()
+    largest = max(sum(p.numel() for p in layer.parameters() if id(p) not in left_out) for layer in meta.model.layers)
     root = sum(p.numel() for m in (meta.model.embed_tokens, meta.lm_head) for p in m.parameters(recurse=False))
     reduce = width + (4 if precision == "bf16-mixed" else 0)
     return width * (2 * largest + root), 0.0 if frozen else reduce * max(largest, root)
@@ -109,8 +136,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
          chunk: int | None = None, checkpoint_layers: bool | None = None, responses: int = 8,
          response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
          lora: dict | None = None, rope_scaling: dict | None = None, precision: Precision = "bf16-mixed",
-         offload: Offload = "none",
-         head_chunk: int | None = None) -> dict:
+         offload: Offload = "none", head_chunk: int | None = None, expert_parallel: bool | None = None) -> dict:
     """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
     prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
     those leaving a tenth of the GPU, then without checkpointing (one forward less), then the largest chunk
@@ -119,7 +145,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     `profile` (tools/activations.py; measured when None) or `activation_bytes` (a flat figure per token) give the
     activations. With `lora` ({r, target_modules}) the adapters are trained, the base weights frozen.
     `rope_scaling` (as `load_model`'s) extends the model's positions: "fits" needs them to cover prompt +
-    response (`positions_accepted`)."""
+    response (`positions_accepted`). `expert_parallel` (None: as `shard_model` decides) keeps a MoE model's experts
+    whole on their ranks."""
     hf_config = with_rope_scaling(hf_config, rope_scaling)
     c = sp or gpus
     if gpus % c or c < 1:
@@ -136,11 +163,14 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     size = state_size(hf_config, tokens, "fp32" if precision == "fp32" else "bf16")  # the model's dtype
     adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
     params = sum(p.numel() for p in meta.parameters())
+    ep = expert_parallel_default(meta, zero, gpus, expert_parallel)
     # what no (chunk, checkpointing) pair changes, counted once
     fixed = {"params": params, "adapters": adapters,
              "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
              "attn": _attention_extras(meta, tokens / c),
-             "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0)}
+             "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
+             "expert_parallel": ep,
+             "all_to_all": _all_to_all_bytes(meta, 1.0, 4 if precision == "fp32" else 2) if ep else 0.0}
     options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
                          profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
     fitting = [r for r in options if r["exact_fits"]]
@@ -178,11 +208,13 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
-    chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk
+    chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk + \
+        fixed["all_to_all"] * block
     vocab = meta.config.vocab_size
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
-    branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c
+    branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c + \
+        fixed["all_to_all"] * response_tokens
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)
@@ -196,6 +228,7 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     return {
         "model_type": size["model_type"], "parameters": params, "adapter_parameters": adapters, "tokens": tokens,
         "gpus": gpus, "sp": c, "dp": gpus // c, "zero": zero, "chunk": chunk, "checkpoint_layers": ckpt,
+        "expert_parallel": fixed["expert_parallel"],
         "precision": precision, "offload": offload, "host_bytes": model_state["host"], "head_chunk": head,
         "boundary_every": every, "branches_per_group": max(1, responses // (gpus // c)),
         "activation_bytes_per_token": profile.whole, "checkpointed_bytes_per_token": profile.per_token(True),
@@ -214,7 +247,10 @@ def _positions(model_cfg, positions: int) -> dict:
 
 
 def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
-    """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096."""
+    """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096. Expert parallelism
+    asked for is taken where the experts split over the GPUs (as `auto`)."""
+    if kw.get("expert_parallel"):
+        kw = {**kw, "expert_parallel": None}
     if kw.get("profile") is None:
         act = kw.pop("activation_bytes", None)
         kw["profile"] = flat_profile(with_rope_scaling(hf_config, kw.get("rope_scaling")), act) if act else \
@@ -235,7 +271,8 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
              f"x {r['gpu_bytes'] / 1e9:.0f} GB, sequence-parallel groups of {r['sp']} (x{r['dp']}), ZeRO-{r['zero']}, "
              f"{r['precision']}" + (" (bf16 weights, fp32 master)" if r["precision"] == "bf16-mixed" else "") +
              (f", optimizer offload: {r['offload']}" if r["offload"] != "none" else "") +
-             (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters" if r["adapter_parameters"] else ""),
+             (f", LoRA: {r['adapter_parameters'] / 1e6:,.1f}M adapter parameters" if r["adapter_parameters"] else "") +
+             (", expert-parallel (each rank keeps its experts whole)" if r.get("expert_parallel") else ""),
              f"{'searched' if r.get('searched') else 'given'}: prompt chunk {r['chunk']:,}, per-layer checkpointing "
              f"{'on' if r['checkpoint_layers'] else 'off'}, LM head in chunks of {r['head_chunk']:,} positions",
              f"activations {r['activation_bytes_per_token'] / 1e3:,.1f} KB per token, "

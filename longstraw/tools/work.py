@@ -25,7 +25,9 @@ import torch
 from ..models.common.attention import Attention
 from ..models.common.deltanet import GatedDeltaNet
 from ..models.common.mla import MLAttention
+from ..models.common.moe import MoE
 from ..models.registry import build
+from ..parallel.experts import expert_modules
 
 GDN_CHUNK = 64
 
@@ -55,11 +57,12 @@ def _pair_flops(m) -> float:
 
 
 def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int, response_tokens: int,
-              dp: int = 1, zero: int = 0, by_layer: bool = True) -> dict:
+              dp: int = 1, zero: int = 0, by_layer: bool = True, expert_parallel: bool = False) -> dict:
     """FLOPs per rank of one exact step (busiest rank, even split, and the busiest of a schedule that repeats the
     token-local work on every rank) and bytes sent per rank, for a sequence-parallel group of `sp` ranks (`dp`
     groups splitting the branches) under ZeRO stage `zero`, the prompt walked layer by layer or not (`by_layer`,
-    ZeRO-3's choice when its checkpoints fit: `plan`'s "prompt_order")."""
+    ZeRO-3's choice when its checkpoints fit: `plan`'s "prompt_order"). With `expert_parallel` the gathers leave
+    the experts out, and each MoE layer's tokens travel to their experts and back (all-to-all)."""
     with torch.device("meta"):
         model = build(hf_config)
     body, head = _active_parameters(model)
@@ -117,11 +120,24 @@ def step_work(hf_config: dict, tokens: int, sp: int, chunk: int, responses: int,
     grad_bytes = 2 * (c - 1) / c * 4 * params if c > 1 else 0.0
     gathers = _weight_gathers(zero, tokens, chunk, math.ceil(branches / c), by_layer)
     n = c * dp
-    gather_bytes = gathers * (n - 1) / n * 2 * params  # bf16 weights over a ring of all N ranks
+    experts = sum(t.numel() for e in expert_modules(model) for t in e.parameters()) if expert_parallel else 0
+    gather_bytes = gathers * (n - 1) / n * 2 * (params - experts)  # bf16 weights over a ring of all N ranks
+    routed = _routed_bytes(model, p / c, math.ceil(branches / c) * response_tokens, n) if expert_parallel else 0.0
     return {"flops_one_rank": per_step + 3 * replay, "flops_even": even, "flops_busiest": busiest,
             "flops_replicated_busiest": replicated, "balance": busiest / even,
-            "sent_bytes": sent + grad_bytes + gather_bytes, "sent_bytes_gradients": grad_bytes,
-            "sent_bytes_weight_gathers": gather_bytes, "weight_gathers": gathers}
+            "sent_bytes": sent + grad_bytes + gather_bytes + routed, "sent_bytes_gradients": grad_bytes,
+            "sent_bytes_weight_gathers": gather_bytes, "sent_bytes_all_to_all": routed, "weight_gathers": gathers}
+
+
+def _routed_bytes(model, prompt_tokens: float, branch_tokens: float, ranks: int) -> float:
+    """Bytes a rank sends in the MoE layers' all-to-alls of one step (expert parallelism, bf16): each (token,
+    expert) row to its expert's rank and its output back, (N - 1) / N of them elsewhere; the prompt's tokens in
+    capture, the recompute and the backward (which sends both ways again), the replayed tokens forward and back."""
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moe:
+        return 0.0
+    row = moe[0].gate.top_k * model.config.hidden_size * 2 * (ranks - 1) / ranks
+    return len(moe) * 2 * row * (4 * prompt_tokens + 3 * branch_tokens)
 
 
 def _weight_gathers(zero: int, tokens: int, chunk: int, branches: float, by_layer: bool) -> float:
@@ -157,7 +173,9 @@ def format_work(work: dict, time: dict, tflops: float, link_gbps: float) -> str:
         f"every rank repeating the token-local work: {tf(work['flops_replicated_busiest'])}",
         f"sent per rank: {work['sent_bytes'] / 1e9:,.1f} GB (of it {work['sent_bytes_gradients'] / 1e9:,.1f} GB "
         f"the gradients' reduction, {work['sent_bytes_weight_gathers'] / 1e9:,.1f} GB ZeRO's "
-        f"{work['weight_gathers']:,.0f} whole-model weight all-gathers)",
+        f"{work['weight_gathers']:,.0f} weight all-gathers of the model" +
+        (f" but its experts, {work['sent_bytes_all_to_all'] / 1e9:,.1f} GB the experts' all-to-alls)"
+         if work.get("sent_bytes_all_to_all") else ")"),
         f"time per step at {tflops:g} TFLOP/s and {link_gbps:g} GB/s per GPU: {time['compute_s']:,.0f} s compute + "
         f"{time['communication_s']:,.0f} s communication = {time['step_s'] / 60:,.1f} min without overlap "
         f"(repeating the token-local work: {time['replicated_compute_s'] / 60:,.1f} min of compute)",

@@ -115,22 +115,30 @@ def test_expert_parallel_gradient_equals_one_process_naive(world, lora, skew):
         assert all(int(r["rows_routed"]) > 0 for r in ranks)
 
 
+def _adapted_experts() -> torch.nn.Module:
+    return with_adapters(_glm(False, False), ("down_proj",))  # PEFT wraps the experts' fused down_proj too
+
+
 def refused_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Experts that do not split over the ranks: refused when asked for, FSDP's units when left to `auto`."""
+    """Experts that do not split over the ranks (3 ranks, 8 experts) or that carry LoRA adapters: refused when
+    asked for, FSDP's units when left to `auto`."""
     out = {}
-    try:
-        shard_model(_glm(False, False), 3, SequenceParallel(), expert_parallel=True)
-    except ValueError as e:
-        out["error"] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
-    auto = shard_model(_glm(False, False), 3, SequenceParallel())
-    out["sharded_experts"] = torch.tensor([e.ep is not None for e in expert_modules(auto)])
+    for case, build in (("uneven", lambda: _glm(False, False)), ("adapted", _adapted_experts)):
+        try:
+            shard_model(build(), 3, SequenceParallel(), expert_parallel=True)
+        except ValueError as e:
+            out[f"{case}.error"] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
+        auto = shard_model(build(), 3, SequenceParallel())
+        out[f"{case}.sharded_experts"] = torch.tensor([e.ep is not None for e in expert_modules(auto)])
     return out
 
 
-def test_uneven_experts_are_refused_or_left_to_fsdp():
+def test_uneven_or_adapted_experts_are_refused_or_left_to_fsdp():
     for r in run_ranks(3, refused_rank, timeout=120):
-        assert "split evenly over the 3 ranks" in bytes(r["error"].tolist()).decode()
-        assert not bool(r["sharded_experts"].any())
+        assert "split evenly over the 3 ranks" in bytes(r["uneven.error"].tolist()).decode()
+        assert "optim.expert_parallel: false" in bytes(r["adapted.error"].tolist()).decode()
+        for case in ("uneven", "adapted"):
+            assert not bool(r[f"{case}.sharded_experts"].any())
 
 
 def checkpoint_rank(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
