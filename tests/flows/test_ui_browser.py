@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(
 # (updates, sync, field trials) are refused en masse and slow it down
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,1000")
+                  "--window-size=1400,1300")  # pages 1400 x 1157: the run form's `steps` and all nested runs in view
 TIME_LIMIT_S = 420  # the whole test; about 90 s on an idle 2-core machine
 WAIT_S = 60  # one page element (the first Prefect UI page load takes ~7 s there)
 RUN_NAME = "custom-run-from-chromium"  # typed into the form: the flow run and its MLflow parent run carry it
@@ -180,6 +180,7 @@ def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, 
     ActionChains(driver).double_click(number).send_keys(str(steps)).perform()
     editor = driver.find_element(By.CSS_SELECTOR, "textarea.p-code-input__textarea")
     assert f'"steps": {steps},' in editor.get_property("value")  # the edit landed in the parameter's text
+    driver.execute_script("window.scrollTo(0, 0)")  # the screenshot: run name and `steps` in one view
     screenshot(driver, "prefect-ui-custom-run.png", tmp_path)
     click(driver, "//form//button[@type='submit']")
     click(driver, f"//a[normalize-space()='{RUN_NAME}']")  # the new run, listed on the deployment's page
@@ -212,8 +213,11 @@ def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_s
             assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
             assert run.deployment_id == dep.id and run.name == RUN_NAME
             assert run.parameters["config"]["steps"] == 2  # the value typed in the form, not the deployment's 1
-            # the page follows the run by itself: its state badge turns Completed
+            # the page follows the run by itself: its state badge turns Completed; the tab lists both steps' subflows
             present(driver, "//*[contains(@class, 'state-badge') and normalize-space()='Completed']")
+            click(driver, "//*[text()[normalize-space()='Subflow Runs']]")
+            for step in (0, 1):
+                present(driver, f"//a[normalize-space()='step-{step}']")
             screenshot(driver, "prefect-ui-run.png", tmp_path)
 
             mlflow = MlflowClient(tracking_uri=mlflow_url)
@@ -225,12 +229,15 @@ def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_s
             for step in (0, 1):  # both steps trained: the changed `steps` took effect
                 assert STAGES <= {n.split()[0] for n in nested if f" step={step} " in f"{n} "}, sorted(nested)
 
-            driver.set_window_size(1400, 1300)  # every nested run in view for the screenshot
             driver.get(f"{mlflow_url}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning")
             click(driver, "//button[@aria-label='Close' and contains(@data-component-id, 'assistant')]")
             # the "+" beside the parent run's name expands its nested runs
             click(driver, f"//a[contains(@href, '/runs/{parent.info.run_id}')]/ancestor::div[@role='gridcell']//button")
             names = "//div[@col-id='attributes.`Run Name`']//a//span"
+            present(driver, names)
+            # wider Run Name column, so that the screenshot shows whole names (the assertions read the DOM)
+            for handle in driver.find_elements(By.CSS_SELECTOR, "[col-id='attributes.`Run Name`'] .ag-header-cell-resize"):
+                ActionChains(driver).drag_and_drop_by_offset(handle, 260, 0).perform()
             WebDriverWait(driver, WAIT_S).until(lambda d: len(d.find_elements(By.XPATH, names)) > len(nested))
             listed = {e.get_attribute("textContent") for e in driver.find_elements(By.XPATH, names)}
             assert listed == nested | {parent.info.run_name}, sorted(listed ^ (nested | {parent.info.run_name}))
