@@ -25,6 +25,9 @@ for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" || exit $?;
 SCONTROL = """#!/usr/bin/env bash
 [[ "$*" == "show hostnames node-[a-b]" ]] && printf 'node-a\\nnode-b\\n'
 """
+SBATCH = """#!/usr/bin/env bash
+printf '%s\n' "$@" > "$RECORD/sbatch"
+"""
 TORCHRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD/torchrun-${SLURM_NODEID:-$JOB_COMPLETION_INDEX}"
 """
@@ -38,7 +41,7 @@ def stand_ins(tmp_path) -> dict[str, str]:
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("sbatch", SBATCH), ("torchrun", TORCHRUN)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RECORD": str(record)}
@@ -84,16 +87,19 @@ def test_sbatch_starts_one_torchrun_per_node_with_the_rendezvous_on_the_first(st
 def test_k8s_indexed_job_and_headless_service_agree(stand_ins, tmp_path, monkeypatch):
     service, job = yaml.safe_load_all((ROOT / "infra" / "k8s" / "longstraw-job.yaml").read_text())
     assert (service["kind"], job["kind"]) == ("Service", "Job")
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
     assert pod["subdomain"] == service["metadata"]["name"]
     (container,) = pod["containers"]
     nodes, per_node = spec["completions"], container["resources"]["limits"]["nvidia.com/gpu"]
     endpoint = f"{job['metadata']['name']}-0.{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert container["command"] == ["bash", "-c"]
+    job_name = next(e for e in container["env"] if e["name"] == "JOB_NAME")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert job_name == "metadata.labels['batch.kubernetes.io/job-name']"  # what Kubernetes sets on a Job's pods
     for node in (0, nodes - 1):
-        env = {**stand_ins, "JOB_COMPLETION_INDEX": str(node)}
+        env = {**stand_ins, "JOB_COMPLETION_INDEX": str(node), "JOB_NAME": job["metadata"]["name"]}
         done = subprocess.run(["bash", "-c", *container["args"]], cwd=tmp_path / "root", env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -110,3 +116,17 @@ def test_launch_sh_needs_the_whole_placement():
     assert "give --nnodes too" in launch("--node-rank", "1").stderr
     one = shlex.split(launch().stdout)
     assert "--standalone" in one and "--nnodes" not in one
+
+
+def test_a_prefect_flow_run_becomes_the_sbatch_job_resuming_it(stand_ins):
+    """infra/slurm/flow-run.sh, a process work pool's command: sbatch --wait of the run script, every node resuming
+    the flow run the worker started (its config read from the Prefect API)."""
+    script = ROOT / "infra" / "slurm" / "flow-run.sh"
+    env = {**stand_ins, "PREFECT__FLOW_RUN_ID": "0f5c6a7e-0000-4000-8000-000000000001"}
+    done = subprocess.run(["bash", str(script), "--nodes=2"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (Path(env["RECORD"]) / "sbatch").read_text().splitlines() == [
+        "--wait", "--nodes=2", str(script.parent / "longstraw.sbatch"), "resume", env["PREFECT__FLOW_RUN_ID"]]
+    env.pop("PREFECT__FLOW_RUN_ID")
+    unset = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert unset.returncode != 0 and "set by the Prefect worker" in unset.stderr

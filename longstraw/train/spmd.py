@@ -151,6 +151,9 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
         parallel = SequenceParallel.from_mesh(mesh)
     ranks = Ranks(parallel, control, dist.get_rank(), world, results)
     ranks.places = ranks.gather({"node": p.node_rank, "host": socket.gethostname()})
+    if ranks.leader and len({json.dumps(x) for x in ranks.places}) > 1:  # torchrun's c10d rendezvous placed them
+        print(f"longstraw: {world} ranks: " + "; ".join(
+            f"rank {r} on {ranks.where(r)}" for r in range(world)), flush=True)
     _check_shared_run_dir(cfg, ranks)
     _RANKS = ranks
     return _RANKS

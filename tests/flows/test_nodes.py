@@ -171,8 +171,13 @@ def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
     assert f"lost rank(s) 1 of 2 (node {lost}, host {socket.gethostname()}) in replay (step 1" in line, line
     assert "longstraw resume" in line, line
 
+    stored = tmp_path / "run" / "store" / "states" / "step-000001"
+    written = {f: f.stat().st_mtime_ns for f in stored.rglob("*") if f.is_file()}
+    assert written  # step 1's capture was stored before its replay
     done = _cli(["resume", str(tmp_path / "run")], tmp_path, **LOOPBACK)  # one node, the run's 2 ranks
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    # the cached capture is reused on other nodes: placement is not in the cache key
+    assert {f: f.stat().st_mtime_ns for f in stored.rglob("*") if f.is_file()} == written
     got = _final(tmp_path, "run")
     assert got.keys() == one_node.keys()
     assert all(torch.equal(got[k], one_node[k]) for k in got)
