@@ -4,8 +4,8 @@ run. A model stage (an op of `longstraw.train.worker.Worker`) runs on every rank
 computed here, on rank 0 alone.
 
 Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
-and its inputs (the config, which holds the run directory and the mesh but not the nodes' placement, and the weights' lineage id and the
-URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
+and its inputs (the config, which holds the run directory and the mesh, without the placement on nodes; the
+weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
 `<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward) are cached, so a
 resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
 gradients; the optimizer step) are never cached, since a fresh job holds none of it, and run again on resume from

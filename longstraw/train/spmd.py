@@ -7,8 +7,9 @@ its resident model with the same arguments (`execute`: the method `Worker.OPS` n
 rank's small JSON result. The ops' own collectives (attention merges, FSDP gathers, gradient sums) run over the
 compute process group; commands over a separate gloo group, whose long timeout lets the ranks wait while rank 0
 does rank-0-only work (rewards, tracking), and results over another with the collective timeout (a rank that
-vanished without closing its connections, e.g. a machine that lost power, fails the gather then, not in days). Nothing here is a home-made transport: torchrun starts the processes, torch.distributed
-moves the bytes. At N = 1 the same ops run in-process without any of it.
+vanished without closing its connections, e.g. a machine that lost power, fails the gather then, not in days).
+Nothing here is a home-made transport: torchrun starts the processes, torch.distributed moves the bytes. At
+N = 1 the same ops run in-process without any of it.
 
 Failures. An error that every rank raises together (`Agreed`: bad or corrupted input found while loading, before
 any compute collective) is raised on rank 0 and the ranks go on serving, so the flow can handle it (e.g. drop a
@@ -30,10 +31,10 @@ import json
 import os
 import socket
 import sys
-import uuid
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
