@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # would fetch another torch); its ops compile at first use (JIT, g++ and ninja), cached in .venv/torch_extensions.
 DEEPSPEED_PIN ?= deepspeed>=0.19,<0.20
 
-.PHONY: run test install bench clean
+.PHONY: run test install browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,20 @@ $(SFT_CKPT): configs/sft-tiny.yaml | $(STAMP)
 run: $(STAMP) $(SFT_CKPT)
 	$(VENV)/bin/longstraw train --config configs/train-tiny.yaml --run-dir runs/grpo-tiny-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+# tests/flows/test_ui_browser.py drives Debian's Chromium: installed here when missing and apt-get is usable (root,
+# or sudo without a password); if that fails the test skips and says why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=no; fi; \
+	  if [ "$$SUDO" = no ] || ! command -v apt-get >/dev/null; then \
+	    echo "note: no chromium/chromedriver and no usable apt-get: the browser test will skip"; \
+	  else \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+	    || { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } \
+	    || echo "note: installing chromium chromium-driver failed: the browser test will skip"; \
+	  fi; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
