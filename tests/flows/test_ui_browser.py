@@ -59,12 +59,16 @@ RUN_NAME = "custom-run-from-chromium"  # typed into the form: the flow run and i
 STAGES = {"capture", "rollout", "reward", "replay", "prompt", "optimizer"}  # nested runs each step must have
 
 
+class TimeLimitExceeded(BaseException):
+    """Not an Exception: no `except Exception` on the way (a polling helper, a client's retries) swallows it."""
+
+
 @contextmanager
 def time_limit(seconds: int) -> Iterator[None]:
-    """TimeoutError in this (the main) thread after `seconds`, so that a hung page or server fails the test and
-    the context managers inside still clean up."""
+    """TimeLimitExceeded in this (the main) thread after `seconds`, so that a hung page or server fails the test
+    and the context managers inside still clean up."""
     def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"the browser test ran past its {seconds} s limit")
+        raise TimeLimitExceeded(f"the browser test ran past its {seconds} s limit")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)
