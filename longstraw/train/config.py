@@ -102,7 +102,9 @@ class PipelineConfig(_Strict):
     nnodes: int = Field(1, ge=1, description="machines the ranks run on: each node starts `longstraw train --nnodes M "
                         "--node-rank i --rdzv-endpoint HOST:PORT` (torchrun's c10d rendezvous); 1: one machine "
                         "(torchrun --standalone)")
-    node_rank: int = Field(0, ge=0, description="this machine's place, 0..nnodes-1; rank 0 of node 0 runs the flow")
+    node_rank: int = Field(0, ge=0, description="this machine's number, 0..nnodes-1, by which errors and logs name "
+                           "it (torchrun's c10d rendezvous orders the nodes itself: rank 0, which runs the flow, is "
+                           "on the node whose address sorts first)")
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT of the c10d rendezvous, the same on every node "
                                       "(usually node 0's host); needed when nnodes > 1")
     sp: int | None = Field(None, ge=1, description="sequence-parallel group size C (ranks sharing one prefix state); "

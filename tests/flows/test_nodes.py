@@ -3,7 +3,8 @@
 of the tiny model in exact mode give the weights of the same run on one node (bitwise: the same two ranks
 compute the same sums). Losing the node of rank 1 in replay (its launcher and its rank killed with kill -9) fails
 the run on the other node within the collective timeout, naming the lost rank, its node and host; `longstraw
-resume` on one node then ends with the weights of the uninterrupted run. Gloo uses the loopback interface."""
+resume` on one node then ends with the weights of the uninterrupted run. Everything talks over the loopback
+interface (torch's TCPStore, which serves the rendezvous, has no bind address: it listens on every interface)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import torch
 
 from tests.flows.test_ranks import ROOT, TIMEOUT, _cli, _env, _final, _yaml
 
-LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
+# gloo's connections and torchrun's node address (MASTER_ADDR of the ranks' store) on the loopback interface;
+# PET_LOCAL_ADDR is torchrun's environment form of --local-addr
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "PET_LOCAL_ADDR": "127.0.0.1"}
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -98,15 +101,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _nodes(config: Path, tmp_path: Path, stall: dict | None = None, cwds: tuple = (ROOT, ROOT)
+def _nodes(config: Path, tmp_path: Path, hooks: dict | None = None, cwds: tuple = (ROOT, ROOT)
            ) -> list[subprocess.Popen]:
-    """Node 0 and node 1 of a 2-rank run (one rank each), each launcher in a process group of its own; `stall`:
-    the test hooks' environment for node 1 only."""
+    """Node 0 and node 1 of a 2-rank run (one rank each), each launcher in a process group of its own; `hooks`:
+    the test hooks' environment, on both (torchrun's c10d rendezvous decides which node gets which rank)."""
     endpoint = f"127.0.0.1:{_free_port()}"
     return [subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", "--config", str(config), "--nproc", "2", "--nnodes", "2",
          "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--no-progress"],
-        cwd=cwds[node], env=_env(**LOOPBACK, **(stall if node == 1 and stall else {})), stdout=subprocess.PIPE,
+        cwd=cwds[node], env=_env(**LOOPBACK, **(hooks or {})), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
 
 
@@ -147,15 +150,16 @@ def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
     cfg["pipeline"]["collective_timeout_s"] = COLLECTIVE_TIMEOUT_S
     config.write_text(yaml.safe_dump(cfg))
     marker = tmp_path / "stalled"
-    procs = _nodes(config, tmp_path, stall={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})
+    procs = _nodes(config, tmp_path, hooks={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})  # rank 1 stalls
     try:
         deadline = time.monotonic() + TIMEOUT
         while not marker.exists():
-            assert all(p.poll() is None for p in procs), "a node ended before rank 1 reached step 1's replay"
+            ended = [p for p in procs if p.poll() is not None]
+            assert not ended, "a node ended before rank 1 reached step 1's replay:\n" + ended[0].stdout.read()[-3000:]
             assert time.monotonic() < deadline, "rank 1 never reached step 1's replay"
             time.sleep(0.2)
         rank1, launcher = map(int, marker.read_text().split())
-        lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on
+        lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on (usually 1)
         killed = time.monotonic()
         os.killpg(launcher, signal.SIGKILL)  # the node's launcher and torchrun agent
         os.killpg(rank1, signal.SIGKILL)  # and its rank (torchrun starts each rank in a session of its own)
