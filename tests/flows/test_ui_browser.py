@@ -193,7 +193,7 @@ def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, 
     return driver.current_url
 
 
-def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_stages(tmp_path):
+def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_stages(tmp_path: Path) -> None:
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
