@@ -338,12 +338,15 @@ class Driver:
             if len(records.keys() - {0}) >= ranks.world - 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        lost = [r for r in range(1, ranks.world) if r not in records]
-        if not lost:
+        by_place: dict[str, list[str]] = {}  # the lost ranks, by node
+        for r in range(1, ranks.world):
+            if r not in records:
+                by_place.setdefault(ranks.where(r), []).append(str(r))
+        if not by_place:
             return None
-        return (f"lost rank(s) {', '.join(f'{r} of {ranks.world} ({ranks.where(r)})' for r in lost)} in {in_op}: "
-                f"no answer and no error recorded; its processes were killed, or its machine is down or "
-                f"unreachable" + stopped)
+        lost = "; ".join(f"{', '.join(rs)} of {ranks.world} ({where})" for where, rs in by_place.items())
+        return (f"lost rank(s) {lost} in {in_op}: no answer and no error recorded; its processes were killed, or "
+                f"its machine is down or unreachable" + stopped)
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loop (after the run, or after it failed)."""

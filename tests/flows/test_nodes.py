@@ -207,3 +207,29 @@ def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
         assert line is not None, out[-3000:]
         assert "do not see what rank 0" in line and "every node mounts at the same path" in line, line
     assert not any((d / "run" / "checkpoints").exists() for d in cwds)  # nothing trained
+
+
+def test_rank_0_names_the_ranks_that_recorded_nothing_by_node(tmp_path, monkeypatch):
+    """Four ranks on two nodes; node 1 (ranks 2, 3) is lost: rank 1 recorded that a peer left, ranks 2 and 3
+    recorded nothing, so they are the lost ones. A rank's own error, when one is recorded, is named instead."""
+    import json
+
+    from longstraw.train import spmd
+    from tests.flows.test_train_flow import config
+
+    monkeypatch.setattr(spmd, "RECORD_WAIT_S", 0.2)
+    cfg = spmd.TrainConfig.model_validate(config(tmp_path / "run"))
+    ranks = spmd.Ranks(None, None, 0, 4, places=[{"node": 0, "host": "a"}] * 2 + [{"node": 1, "host": "b"}] * 2)
+    driver = spmd.Driver(type("W", (), {"cfg": cfg, "ranks": ranks})())
+    d = tmp_path / "run" / "ranks"
+    d.mkdir(parents=True)
+
+    def record(rank: int, message: str) -> None:
+        (d / f"error-rank{rank:03d}.json").write_text(json.dumps({"rank": rank, "message": message, "time": 10.0}))
+
+    record(0, "rank 0 of 4 failed in replay: RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1")
+    record(1, "rank 1 of 4 failed in replay: RuntimeError: [gloo] Timed out waiting 60000ms for recv")
+    got = driver._who_failed(10.0, ranks, "replay (step 1)")
+    assert got.startswith("lost rank(s) 2, 3 of 4 (node 1, host b) in replay (step 1): no answer"), got
+    record(3, "rank 3 of 4 failed in replay: ValueError: bad input")
+    assert driver._who_failed(10.0, ranks, "replay").startswith("rank 3 of 4 failed in replay: ValueError: bad input")
