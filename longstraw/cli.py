@@ -91,7 +91,8 @@ def _plan(args: argparse.Namespace) -> int:
     kw = dict(zero=args.zero, chunk=args.chunk, checkpoint_layers=ckpt, responses=args.responses,
               response_tokens=args.response_tokens, profile=profile, lora=lora, rope_scaling=rope,
               precision=args.precision, offload=args.offload,
-              expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel])
+              expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel],
+              prompt_order=args.prompt_order)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], r["chunk"], args.responses, args.response_tokens, dp=r["dp"],
@@ -172,6 +173,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                    "(optim.mixed_precision, default); bf16; fp32")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="optimizer offload: master weights and moments on the host (DeepSpeed's CPU Adam)")
+    p.add_argument("--prompt-order", choices=("auto", "chunks", "layers"), default="auto",
+                   help="engine.prompt_order: the prompt chunk by chunk or (ZeRO-3) layer by layer; auto: layers "
+                   "when its checkpoints fit a quarter of the GPU")
     p.add_argument("--expert-parallel", choices=("auto", "on", "off"), default="auto",
                    help="MoE under ZeRO-2/3: each rank keeps experts / N whole experts and the tokens travel to them "
                    "(optim.expert_parallel; auto: when the experts split evenly over the GPUs)")

@@ -136,7 +136,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
          chunk: int | None = None, checkpoint_layers: bool | None = None, responses: int = 8,
          response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
          lora: dict | None = None, rope_scaling: dict | None = None, precision: Precision = "bf16-mixed",
-         offload: Offload = "none", head_chunk: int | None = None, expert_parallel: bool | None = None) -> dict:
+         offload: Offload = "none", head_chunk: int | None = None, expert_parallel: bool | None = None,
+         prompt_order: str = "auto") -> dict:
     """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
     prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
     those leaving a tenth of the GPU, then without checkpointing (one forward less), then the largest chunk
@@ -146,7 +147,10 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     activations. With `lora` ({r, target_modules}) the adapters are trained, the base weights frozen.
     `rope_scaling` (as `load_model`'s) extends the model's positions: "fits" needs them to cover prompt +
     response (`positions_accepted`). `expert_parallel` (None: as `shard_model` decides) keeps a MoE model's experts
-    whole on their ranks."""
+    whole on their ranks. `prompt_order` as `EngineConfig.prompt_order` (auto: layer by layer under ZeRO-3 when its
+    checkpoints fit a quarter of the GPU)."""
+    if prompt_order not in ("auto", "chunks", "layers"):
+        raise ValueError(f"prompt order {prompt_order!r}: auto, chunks or layers")
     hf_config = with_rope_scaling(hf_config, rope_scaling)
     c = sp or gpus
     if gpus % c or c < 1:
@@ -169,7 +173,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
              "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
              "attn": _attention_extras(meta, tokens / c),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
-             "expert_parallel": ep,
+             "expert_parallel": ep, "prompt_order": prompt_order,
              "all_to_all": _all_to_all_bytes(meta, 1.0, 4 if precision == "fp32" else 2) if ep else 0.0}
     options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
                          profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
@@ -204,7 +208,9 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     k = checkpoint_every(layers)
     checkpoints = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
         size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
-    by_layer = checkpoints if zero == 3 and checkpoints <= budget / 4 else 0.0
+    order = fixed["prompt_order"]
+    by_layer = checkpoints if zero == 3 and (order == "layers" or order == "auto" and checkpoints <= budget / 4) \
+        else 0.0
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block

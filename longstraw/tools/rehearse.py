@@ -16,15 +16,23 @@ What it leaves out, to run in minutes:
 - host values: fake tensors have none, so `HostValues` answers for them (a scalar read is 0 or 1.0, a
   comparison is true) and the group's agreement checks (which exchange host values) pass;
 - the Gated DeltaNet recurrence runs as a stand-in with flash-linear-attention's saved tensors (the kernel does
-  not run on fake tensors); the optimizer step with an offloaded optimizer runs on the host, which is not counted.
+  not run on fake tensors); the optimizer step with an offloaded optimizer runs on the host, which is not counted;
+- MoE routing (which expert a token picks is a value): routing is taken as balanced, each rank receiving as many
+  (token, expert) rows as it sends (expert parallelism), and every row runs through one expert's weights, which
+  saves what its own expert would;
+- the layer-major prompt order (ZeRO-3's `auto` on GLM-5): a plan that walks the prompt layer by layer is refused
+  (`--prompt-order chunks` plans the chunk order, which the rehearsal runs).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -37,8 +45,10 @@ from ..engine.prompt import prompt_backward
 from ..engine.replay import replay
 from ..grpo import GRPOConfig
 from ..models.config import with_rope_scaling
-from ..models.registry import build, config_from_hf
+from ..models.registry import build
+from ..models.common.moe import Experts
 from ..ops import gated_delta
+from ..parallel import experts as experts_mod
 from ..parallel import SequenceParallel, local_shard, shard_model
 from ..state import boundary_states
 from .activations import FLA_CHUNK
@@ -155,14 +165,39 @@ def _kernel_delta_rule(q, k, v, g, beta, initial_state=None, *args, **kw):
     return _KernelShaped.apply(q, k, v, g, beta, initial_state)
 
 
+def _one_expert(self, rows: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                ) -> torch.Tensor:
+    """`Experts._sorted`'s stand-in: every row through one expert's weights, which saves what the experts save
+    for the same rows (their ids, and so the blocks, are values fake tensors lack)."""
+    gate, up = F.linear(rows, gate_up[0]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down[0])
+
+
+def _balanced_route(rows: torch.Tensor, experts: torch.Tensor, ep, run) -> torch.Tensor:
+    """`parallel.experts.route`'s stand-in: routing balanced over the ranks, so a rank receives as many rows as it
+    sends; the received rows and the returned outputs are new buffers, as the all-to-alls' are."""
+    return run(rows.clone(), experts).clone()
+
+
+@contextmanager
+def _stand_ins(kernels: bool) -> Iterator[None]:
+    """What the rehearsal runs in place of value-sized code: the GPU delta-rule kernel's shapes (`kernels`) and
+    the experts' routing."""
+    saved = (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted)
+    if kernels:
+        gated_delta.chunk_gated_delta_rule = _kernel_delta_rule
+    experts_mod.route, Experts._sorted = _balanced_route, _one_expert
+    try:
+        yield
+    finally:
+        gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted = saved
+
+
 def rehearse(hf_config: dict, tokens: int, gpus: int, plan: dict, *, ranks: list[int] | None = None,
              responses: int = 8, response_tokens: int = 1024, last_chunks: int = 2,
              rope_scaling: dict | None = None, kernels: bool = True) -> dict:
     """The rehearsal of `ranks` (default: the first and the last, whose blocks sit at the two ends of every
     chunk) with the plan's settings: each one's peak device bytes, and the largest beside the planner's figure."""
-    if config_from_hf(hf_config).model_type == "glm_moe_dsa":
-        raise ValueError("--rehearse runs dense and Qwen3.5 models so far: GLM-5's MoE routing and DSA selection "
-                         "size tensors from values, which fake tensors do not have")
     ranks = sorted({0, gpus - 1}) if ranks is None else ranks
     out = {r: rehearse_rank(hf_config, tokens, gpus, r, plan=plan, responses=responses,
                             response_tokens=response_tokens, last_chunks=last_chunks, rope_scaling=rope_scaling,
@@ -196,17 +231,15 @@ def rehearse_rank(hf_config: dict, tokens: int, gpus: int, rank: int, *, plan: d
     if plan["sp"] != gpus:
         raise ValueError("--rehearse runs one sequence-parallel group of all the GPUs (drop --sp)")
     if plan["prompt_order"] != "chunks":
-        raise ValueError("--rehearse runs the prompt chunk by chunk; this plan walks it layer by layer")
+        raise ValueError("--rehearse runs the prompt chunk by chunk; this plan walks it layer by layer: plan it with "
+                         "--prompt-order chunks to rehearse it")
     if plan["zero"] == 1:
         raise ValueError("--rehearse runs ZeRO 0, 2 and 3 (ZeRO-1's share of the optimizer is not rehearsed)")
     dist.init_process_group("fake", rank=rank, world_size=gpus, store=FakeStore())
-    torch_form = gated_delta.chunk_gated_delta_rule
-    if kernels:
-        gated_delta.chunk_gated_delta_rule = _kernel_delta_rule
     try:
-        return _rehearse(hf_config, tokens, plan, responses, response_tokens, last_chunks, FakeTensorMode)
+        with _stand_ins(kernels):
+            return _rehearse(hf_config, tokens, plan, responses, response_tokens, last_chunks, FakeTensorMode)
     finally:
-        gated_delta.chunk_gated_delta_rule = torch_form
         dist.destroy_process_group()
 
 
@@ -233,7 +266,8 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
     branches = Branches.group(branch, [0.0] * responses, GRPOConfig(), vocab_size=model.config.vocab_size)
     group = RehearsalGroup()
     if plan["zero"] >= 2:  # on the meta device, so that only this rank's shards are ever allocated
-        shard_model(model, plan["zero"], group, mesh=mesh, mixed_precision=mixed)
+        shard_model(model, plan["zero"], group, mesh=mesh, mixed_precision=mixed,
+                    expert_parallel=plan.get("expert_parallel"))
     with fake_mode(allow_non_fake_inputs=True), HostValues(), live:
         model = model.to_empty(device="cpu")
         optimizer = _optimizer(model, mixed) if plan["offload"] == "none" else None
@@ -255,7 +289,8 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
         if optimizer is not None:
             opt, pairs = optimizer
             for p, master in pairs:  # the bf16 gradient shard cast into the master's (MasterAdamW)
-                master.grad = local_shard(p.grad).to(master.dtype)
+                if p.grad is not None:  # none where no loss reaches (DSA's indexer)
+                    master.grad = local_shard(p.grad).to(master.dtype)
             opt.step()
         phases["optimizer"] = live.peak
     return {"peak_bytes": live.peak, "phases": phases}
