@@ -8,6 +8,7 @@ interface (torch's TCPStore, which serves the rendezvous, has no bind address: i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -104,13 +105,29 @@ def _free_port() -> int:
 def _nodes(config: Path, tmp_path: Path, hooks: dict | None = None, cwds: tuple = (ROOT, ROOT)
            ) -> list[subprocess.Popen]:
     """Node 0 and node 1 of a 2-rank run (one rank each), each launcher in a process group of its own; `hooks`:
-    the test hooks' environment, on both (torchrun's c10d rendezvous decides which node gets which rank)."""
-    endpoint = f"127.0.0.1:{_free_port()}"
-    return [subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", "--config", str(config), "--nproc", "2", "--nnodes", "2",
-         "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--no-progress"],
-        cwd=cwds[node], env=_env(**LOOPBACK, **(hooks or {})), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
+    the test hooks' environment, on both. Node 1 starts once node 0's torchrun serves the rendezvous, as on a
+    cluster, where the endpoint's host serves it (both are 127.0.0.1 here: the first to bind would). It also puts
+    rank 0 on node 0: c10d orders the nodes of one address by their torchrun's process id."""
+    port = _free_port()
+
+    def start(node: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "train", "--config", str(config), "--nproc", "2", "--nnodes", "2",
+             "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--no-progress"],
+            cwd=cwds[node], env=_env(**LOOPBACK, **(hooks or {})), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    first = start(0)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if first.poll() is not None or time.monotonic() > deadline:
+            _wait([first], 1)
+            raise AssertionError(f"node 0 never served the rendezvous:\n{first.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    return [first, start(1)]
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -142,12 +159,15 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
     assert sorted(p.name for p in state.iterdir()) == ["manifest.json", "shard-000", "shard-001"]  # one per rank
 
 
-def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
+def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float) -> tuple[int, float, str, int]:
+    """A two-node run whose rank 1 stalls in step 1's replay, then gets `how` on its node's every process (its
+    launcher, torchrun agent and rank; SIGSTOP: a machine gone silent, its connections left open). Returns the
+    lost node, the seconds from then until the other node's launcher exited, its output and exit status."""
     import yaml
 
     config = _yaml(tmp_path, "run")
     cfg = yaml.safe_load(config.read_text())
-    cfg["pipeline"]["collective_timeout_s"] = COLLECTIVE_TIMEOUT_S
+    cfg["pipeline"]["collective_timeout_s"] = timeout_s
     config.write_text(yaml.safe_dump(cfg))
     marker = tmp_path / "stalled"
     procs = _nodes(config, tmp_path, hooks={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})  # rank 1 stalls
@@ -160,20 +180,28 @@ def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
             time.sleep(0.2)
         rank1, launcher = map(int, marker.read_text().split())
         lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on (usually 1)
-        killed = time.monotonic()
-        os.killpg(launcher, signal.SIGKILL)  # the node's launcher and torchrun agent
-        os.killpg(rank1, signal.SIGKILL)  # and its rank (torchrun starts each rank in a session of its own)
+        hit = time.monotonic()
+        os.killpg(launcher, how)  # the node's launcher and torchrun agent
+        os.killpg(rank1, how)  # and its rank (torchrun starts each rank in a session of its own)
         survivor = procs[1 - lost]
-        out = survivor.communicate(timeout=COLLECTIVE_TIMEOUT_S)[0]
-        seconds = time.monotonic() - killed
+        out = survivor.communicate(timeout=timeout_s + 60)[0]
+        seconds = time.monotonic() - hit
     finally:
+        for group in (launcher, rank1) if marker.exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         _wait(procs, 1)
-    assert survivor.returncode != 0, out[-3000:]
-    assert seconds < COLLECTIVE_TIMEOUT_S, seconds
     line = next((x for x in out.splitlines() if "lost rank(s)" in x), None)
     assert line is not None, out[-3000:]
     assert f"lost rank(s) 1 of 2 (node {lost}, host {socket.gethostname()}) in replay (step 1" in line, line
     assert "longstraw resume" in line, line
+    return lost, seconds, out, survivor.returncode
+
+
+def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
+    _, seconds, out, status = _lose_rank_1_in_replay(tmp_path, signal.SIGKILL, COLLECTIVE_TIMEOUT_S)
+    assert status != 0, out[-3000:]
+    assert seconds < COLLECTIVE_TIMEOUT_S, seconds  # its connections closed: no need to wait for the timeout
 
     stored = tmp_path / "run" / "store" / "states" / "step-000001"
     written = {f: f.stat().st_mtime_ns for f in stored.rglob("*") if f.is_file()}
@@ -185,6 +213,15 @@ def test_node_lost_in_replay_then_resume_on_one_node(tmp_path, one_node):
     got = _final(tmp_path, "run")
     assert got.keys() == one_node.keys()
     assert all(torch.equal(got[k], one_node[k]) for k in got)
+
+
+def test_a_silent_node_fails_the_run_after_the_collective_timeout(tmp_path):
+    """A node that stops answering without closing its connections (SIGSTOP: a machine that lost power or its
+    network): the other node fails after `collective_timeout_s`, not later, naming the lost rank."""
+    timeout_s = 30
+    _, seconds, out, status = _lose_rank_1_in_replay(tmp_path, signal.SIGSTOP, timeout_s)
+    assert status != 0, out[-3000:]
+    assert timeout_s * 0.9 <= seconds < timeout_s + 30, seconds
 
 
 def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
