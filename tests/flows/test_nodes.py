@@ -179,7 +179,8 @@ def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float
             assert time.monotonic() < deadline, "rank 1 never reached step 1's replay"
             time.sleep(0.2)
         rank1, launcher = map(int, marker.read_text().split())
-        lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on (usually 1)
+        lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on
+        assert lost == 1  # node 0, which started first, has rank 0 (see _nodes)
         hit = time.monotonic()
         os.killpg(launcher, how)  # the node's launcher and torchrun agent
         os.killpg(rank1, how)  # and its rank (torchrun starts each rank in a session of its own)
