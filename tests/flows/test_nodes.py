@@ -225,6 +225,16 @@ def test_a_silent_node_fails_the_run_after_the_collective_timeout(tmp_path):
     assert timeout_s * 0.9 <= seconds < timeout_s + 30, seconds
 
 
+def test_an_error_on_node_1_fails_both_nodes(tmp_path):
+    """Rank 1's own error in replay: rank 0 names it, and both nodes' launchers exit non-zero (a scheduler sees
+    every node of the job fail; on one machine, rank 1 exits 0 instead, so that torchrun leaves rank 0 be)."""
+    procs = _nodes(_yaml(tmp_path, "run"), tmp_path, hooks={"LONGSTRAW_TEST_FAULT": "replay:1:1"})
+    outs = _wait(procs, TIMEOUT)
+    assert [p.returncode != 0 for p in procs] == [True, True], "\n".join(o[-2000:] for o in outs)
+    assert "rank 1 of 2 failed in replay (step 1" in outs[0] and "injected replay fault on rank 1" in outs[0]
+    assert (tmp_path / "run" / "checkpoints" / "update-000001").is_dir()  # step 0 committed
+
+
 def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
     """A relative run_dir on nodes in different working directories: two directories, not one. Every rank stops
     at the start with the same error, naming the rank that does not see rank 0's directory."""
