@@ -150,10 +150,6 @@ class PipelineConfig(_Strict):
         return self
 
     @property
-    def nproc_per_node(self) -> int:
-        return self.nproc // self.nnodes
-
-    @property
     def sequence_parallel(self) -> int:
         return self.sp or self.nproc
 
