@@ -104,7 +104,7 @@ def _plan(args: argparse.Namespace) -> int:
         from .tools.rehearse import format_rehearsal, rehearse
 
         rehearsal = rehearse(cfg, args.tokens, args.gpus, r, responses=args.responses,
-                             response_tokens=args.response_tokens, rope_scaling=rope)
+                             response_tokens=args.response_tokens, rope_scaling=rope, lora=lora)
         print(format_rehearsal(rehearsal))
     _write_json(args.json, {**r, "smallest_exact": fits[0], "smallest_detached": fits[1], "work": work, "time": time})
     return 0

@@ -15,7 +15,8 @@ Per rank, for sequence-parallel groups of C ranks (N / C of them, splitting the 
   - a prompt chunk's (a rank's block of it; every graph recomputed, `prompt_graph_budget: 0`): its layers'
     activations (with `checkpoint_layers`, every layer's input and one layer's), the whole chunk's queries that
     each attention layer gathers and keeps, and in the backward of an attention layer the gradient of the
-    rank's prefix rows of that layer (and DSA's candidates: chunk x top-k);
+    rank's prefix rows of that layer (and DSA's candidates: chunk x top-k, and its backward's fp32 gradients of
+    every gathered query);
   - a branch's: its activations the same way, and the LM head's logits of `head_chunk` positions (fp32 logits,
     their log-softmax and its gradient);
   - FSDP's reduction of the largest unit's gradient (ZeRO-3: the root, embedding and LM head, on large
@@ -82,18 +83,23 @@ def flat_profile(hf_config: dict, bytes_per_token: int) -> ActivationProfile:
 def _attention_extras(meta, tokens_per_rank: float) -> dict[str, float]:
     """Per attention layer: the bytes per chunk token of the queries every rank gathers (and its split
     attention keeps), the rank's prefix-row bytes of the largest such layer (their gradient in its backward),
-    DSA's candidates per token (top-k positions and scores), and how many layers attend."""
+    DSA's candidates per token (top-k positions and scores), the fp32 buffers per gathered query of DSA's backward,
+    and how many layers attend."""
     cfg = meta.config
     states = meta.empty_state(1, torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
+    backward = 0
     if cfg.model_type == "glm_moe_dsa":
-        query = (cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
-                 + cfg.index_n_heads * cfg.index_head_dim * 2)
+        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        query = cfg.num_attention_heads * row * 2 + cfg.index_n_heads * cfg.index_head_dim * 2
         candidates = cfg.index_topk * 12
+        # ops/split_sparse_attention.py's backward, in fp32, when it exchanges the query gradients: every gathered
+        # query's output gradient (the values' width), its query gradient, the parts sent and those received
+        backward = cfg.num_attention_heads * (cfg.kv_lora_rank + 3 * row) * 4
     else:
         query, candidates = cfg.num_attention_heads * cfg.head_dim * 2, 0
     return {"query": query, "prefix_grad": max(rows, default=0) * tokens_per_rank, "candidates": candidates,
-            "layers": len(rows)}
+            "query_backward": backward, "layers": len(rows)}
 
 
 def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
@@ -173,21 +179,24 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
              "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
              "attn": _attention_extras(meta, tokens / c),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
-             "expert_parallel": ep, "prompt_order": prompt_order,
+             "expert_parallel": ep,
              "all_to_all": _all_to_all_bytes(meta, 1.0, 4 if precision == "fp32" else 2) if ep else 0.0}
-    options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, responses, response_tokens,
-                         profile, precision, offload, head_chunk) for k in ckpts for x in chunks]
+    # under ZeRO-3 the engine's `auto` order is searched against the chunk order, which holds no layer-major
+    # checkpoints
+    orders = ["auto", "chunks"] if prompt_order == "auto" and zero == 3 else [prompt_order]
+    options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, o, responses, response_tokens,
+                         profile, precision, offload, head_chunk) for o in orders for k in ckpts for x in chunks]
     fitting = [r for r in options if r["exact_fits"]]
     if fitting:  # comfortably (a tenth of the GPU left for the allocator, CUDA and NCCL) before barely
-        best = min(fitting, key=lambda r: (r["exact_bytes"] > 0.9 * r["gpu_bytes"], r["checkpoint_layers"],
-                                           -r["chunk"]))
+        best = min(fitting, key=lambda r: (r["exact_bytes"] > 0.9 * r["gpu_bytes"], r["prompt_order_setting"] != "auto",
+                                           r["checkpoint_layers"], -r["chunk"]))
     else:
         best = min(options, key=lambda r: r["exact_bytes"])
-    return {**best, "searched": len(options) > 1}
+    return {**best, "searched": len(chunks) * len(ckpts) > 1}
 
 
 def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
-              chunk: int, ckpt: bool, responses: int, response_tokens: int, profile: ActivationProfile,
+              chunk: int, ckpt: bool, order: str, responses: int, response_tokens: int, profile: ActivationProfile,
               precision: Precision, offload: Offload, head_chunk: int | None) -> dict:
     """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone),
     `fixed` what plan() counted once for all pairs."""
@@ -208,19 +217,18 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     k = checkpoint_every(layers)
     checkpoints = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
         size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
-    order = fixed["prompt_order"]
     by_layer = checkpoints if zero == 3 and (order == "layers" or order == "auto" and checkpoints <= budget / 4) \
         else 0.0
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
     chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk + \
-        fixed["all_to_all"] * block
+        attn["query_backward"] * chunk + fixed["all_to_all"] * block
     vocab = meta.config.vocab_size
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c + \
-        fixed["all_to_all"] * response_tokens
+        attn["query_backward"] * response_tokens * c + fixed["all_to_all"] * response_tokens
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)
@@ -239,7 +247,8 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
         "boundary_every": every, "branches_per_group": max(1, responses // (gpus // c)),
         "activation_bytes_per_token": profile.whole, "checkpointed_bytes_per_token": profile.per_token(True),
         "gpu_bytes": budget, "per_rank": per_rank,
-        "prompt_order": "layers" if by_layer else "chunks", "layer_major_bytes": checkpoints,
+        "prompt_order": "layers" if by_layer else "chunks", "prompt_order_setting": order,
+        "layer_major_bytes": checkpoints,
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
         "detached_fits": detached <= budget, **_positions(meta.config, tokens + response_tokens),
     }
@@ -306,5 +315,6 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
     if r["zero"] == 3:
         lines.append(f"prompt order: {r['prompt_order']} (layer by layer each layer is gathered once per pass, for "
                      f"{r['layer_major_bytes'] / 1e9:,.2f} GB of checkpoints; auto takes it when they fit a quarter "
-                     "of the GPU)")
+                     "of the GPU)" + ("; set engine.prompt_order: chunks" if r.get("prompt_order_setting") ==
+                                      "chunks" and r["layer_major_bytes"] <= r["gpu_bytes"] / 4 else ""))
     return "\n".join(lines)

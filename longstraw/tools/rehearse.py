@@ -46,9 +46,11 @@ from ..engine.replay import replay
 from ..grpo import GRPOConfig
 from ..models.config import with_rope_scaling
 from ..models.registry import build
+from ..lora import add_lora
 from ..models.common.moe import Experts
 from ..ops import gated_delta
 from ..parallel import experts as experts_mod
+from ..parallel.experts import expert_modules
 from ..parallel import SequenceParallel, local_shard, shard_model
 from ..state import boundary_states
 from .activations import FLA_CHUNK
@@ -195,13 +197,13 @@ def _stand_ins(kernels: bool) -> Iterator[None]:
 
 def rehearse(hf_config: dict, tokens: int, gpus: int, plan: dict, *, ranks: list[int] | None = None,
              responses: int = 8, response_tokens: int = 1024, last_chunks: int = 2,
-             rope_scaling: dict | None = None, kernels: bool = True) -> dict:
+             rope_scaling: dict | None = None, kernels: bool = True, lora: dict | None = None) -> dict:
     """The rehearsal of `ranks` (default: the first and the last, whose blocks sit at the two ends of every
     chunk) with the plan's settings: each one's peak device bytes, and the largest beside the planner's figure."""
     ranks = sorted({0, gpus - 1}) if ranks is None else ranks
     out = {r: rehearse_rank(hf_config, tokens, gpus, r, plan=plan, responses=responses,
                             response_tokens=response_tokens, last_chunks=last_chunks, rope_scaling=rope_scaling,
-                            kernels=kernels) for r in ranks}
+                            kernels=kernels, lora=lora) for r in ranks}
     peak = max(o["peak_bytes"] for o in out.values())
     return {"ranks": out, "peak_bytes": peak, "planned_bytes": plan["exact_bytes"],
             "ratio": plan["exact_bytes"] / peak, "last_chunks": last_chunks}
@@ -220,7 +222,7 @@ def format_rehearsal(r: dict) -> str:
 
 def rehearse_rank(hf_config: dict, tokens: int, gpus: int, rank: int, *, plan: dict, responses: int = 8,
                   response_tokens: int = 1024, last_chunks: int = 2, rope_scaling: dict | None = None,
-                  kernels: bool = True) -> dict:
+                  kernels: bool = True, lora: dict | None = None) -> dict:
     """One rank's step under fake tensors with the plan's settings (chunk, checkpointing, ZeRO, precision,
     offload); returns its peak device bytes and the running peak after each phase. `kernels`: the delta rule
     saves what the GPU kernel saves (else the torch form runs, as on CPU)."""
@@ -238,13 +240,14 @@ def rehearse_rank(hf_config: dict, tokens: int, gpus: int, rank: int, *, plan: d
     dist.init_process_group("fake", rank=rank, world_size=gpus, store=FakeStore())
     try:
         with _stand_ins(kernels):
-            return _rehearse(hf_config, tokens, plan, responses, response_tokens, last_chunks, FakeTensorMode)
+            return _rehearse(hf_config, tokens, plan, responses, response_tokens, last_chunks, FakeTensorMode,
+                             lora)
     finally:
         dist.destroy_process_group()
 
 
 def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response_tokens: int, last_chunks: int,
-              fake_mode) -> dict:
+              fake_mode, lora: dict | None) -> dict:
     mixed = plan["precision"] == "bf16-mixed"
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32 if plan["precision"] == "fp32" else torch.bfloat16)
@@ -253,6 +256,8 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
             model = build(hf_config)
     finally:
         torch.set_default_dtype(default)
+    if lora:  # on the meta device too; PEFT keeps the adapters fp32 beside bf16 weights
+        add_lora(model, r=lora["r"], target_modules=lora["target_modules"])
     live, phases = LiveBytes("cpu"), {}
     mesh = None
     if plan["zero"] >= 2:  # built outside the fake mode: the mesh computes its coordinates from real tensors
@@ -270,6 +275,9 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
                     expert_parallel=plan.get("expert_parallel"))
     with fake_mode(allow_non_fake_inputs=True), HostValues(), live:
         model = model.to_empty(device="cpu")
+        for e in expert_modules(model):  # DTensors not FSDP's: their local storage is made under DTensor's dispatch
+            for p in e.parameters():
+                live.add(local_shard(p))
         optimizer = _optimizer(model, mixed) if plan["offload"] == "none" else None
         phases["model"] = live.now
         prompt = torch.zeros(tokens, dtype=torch.long)
