@@ -22,9 +22,19 @@ from ..parallel.sequence import ONE_RANK, SequenceGroup
 from .attention import merge_parts
 
 Tensor = torch.Tensor
-KEY_BLOCK = 4096
+KEY_BLOCK = 4096  # the most prefix keys scored at once
+SCORE_BYTES = 2**28  # and at most this many bytes of one block's per-head index scores
 QUERY_BLOCK = 64
 NEG = float("-inf")
+
+
+def key_block(queries: Tensor, ranks: int = 1) -> int:
+    """Prefix keys per block of the index scores: KEY_BLOCK, fewer when a block's per-head scores of `queries`
+    [..., H, D] (of `ranks` ranks, gathered) would pass SCORE_BYTES. The indexer scores every query head over the
+    block before it weights and sums them: at GLM-5's 32 index heads, 32 ranks' 1024-token branches in blocks of
+    4096 keys would hold 8.6 GB of scores. The selection does not depend on the block size."""
+    per_key = queries[..., 0].numel() * ranks * queries.element_size()
+    return max(1, min(KEY_BLOCK, SCORE_BYTES // max(per_key, 1)))
 
 
 def _keep_topk(vals: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -38,15 +38,10 @@ def merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
     return out.to(o[0].dtype), total
 
 
-def per_rank(x: Tensor, c: int) -> list[Tensor]:
-    """[C * B, ...] -> C parts of [B, ...], one per rank."""
-    return list(x.unflatten(0, (c, -1)).unbind(0))
-
-
 class _SplitChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel):
-        c, longest, t = len(sizes), max(sizes), q.shape[2]
+        longest, t = max(sizes), q.shape[2]
         hkv = k.shape[1]
         shared = k is v  # absorbed MLA: one latent tensor is both keys and values
         o, lse, aux_own = _forward(q, k, v, True, scale, kernel)
@@ -68,7 +63,7 @@ class _SplitChunkAttention(torch.autograd.Function):
         else:
             o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-        o_p, l_p = merge_ranks(group.exchange(per_rank(o_p, c)), group.exchange(per_rank(l_p, c)))
+        o_p, l_p = merge_ranks(group.exchange_split(o_p), group.exchange_split(l_p))
         o, lse = merge_parts(o_p[:, :, :t], l_p[:, :, :t], o, lse)
         ctx.save_for_backward(q, k, v, o, lse, q_all)
         ctx.early = (ke, ve)  # gathered here, not inputs: kept as attributes
@@ -117,7 +112,7 @@ class _SplitChunkAttention(torch.autograd.Function):
             dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)
-        dq = dq + sum(group.exchange(per_rank(dq_p, c))).narrow(2, 0, t)
+        dq = dq + sum(group.exchange_split(dq_p)).narrow(2, 0, t)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..parallel.sequence import SequenceGroup
 from .sparse_attention import NEG, QUERY_BLOCK, _local_rows, _partial, topk_candidates
-from .split_attention import merge_ranks, per_rank
+from .split_attention import merge_ranks
 
 Tensor = torch.Tensor
 
@@ -96,8 +96,8 @@ def split_select_topk(queries: tuple[Tensor, ...], score, prefix_keys: Tensor | 
         vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], fill), NEG)], -1)
         pos = torch.cat([pos, pos.new_zeros((*pos.shape[:-1], fill))], -1)
     # the owners merge the candidates for their queries into the k-th best (score, position)
-    got_v = torch.cat(group.exchange(per_rank(vals, c)), -1)
-    got_p = torch.cat(group.exchange(per_rank(pos, c)), -1)
+    got_v = torch.cat(group.exchange_split(vals), -1)
+    got_p = torch.cat(group.exchange_split(pos), -1)
     by_pos = got_p.argsort(dim=-1, stable=True)
     got_v, got_p = got_v.gather(-1, by_pos), got_p.gather(-1, by_pos)
     kth = torch.sort(got_v, dim=-1, descending=True, stable=True).indices[..., k - 1: k]
@@ -139,7 +139,7 @@ def _compact(sel: SplitSelection, sl: slice) -> tuple[Tensor, Tensor] | None:
 class _SplitSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, own, prefix, sel, scale, vdim, sink, lay):
-        c, t = lay.group.size, q.shape[1]
+        t = q.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         q_all = _gather_queries(q, lay)
         o_p = q_all.new_zeros(*q_all.shape[:-1], vdim, dtype=acc)
@@ -153,7 +153,7 @@ class _SplitSparseAttention(torch.autograd.Function):
             s = torch.einsum("bthd,btkd->bthk", q_all[:, sl].to(acc), keys) * scale
             o_p[:, sl], l_p[:, sl] = _partial(s, keep[:, :, None, :], keys[..., :vdim])
         # the partial outputs travel in the model's dtype, their log-sum-exps in fp32 (as split_attention.py's)
-        out, lse = merge_ranks(lay.group.exchange(per_rank(o_p.to(q.dtype), c)), lay.group.exchange(per_rank(l_p, c)))
+        out, lse = merge_ranks(lay.group.exchange_split(o_p.to(q.dtype)), lay.group.exchange_split(l_p))
         out, lse = out[:, :t], lse[:, :t]
         ctx.save_for_backward(q, own, q_all, out, lse)
         ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay = prefix, sel, sink, scale, vdim, lay
@@ -163,10 +163,10 @@ class _SplitSparseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, own, q_all, out, lse = ctx.saved_tensors
         prefix, sel, sink, scale, vdim, lay = ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay
-        c, t = lay.group.size, q.shape[1]
+        t = q.shape[1]
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
-        do_all = _gather_queries(dout, lay).to(acc)
+        do_all = _gather_queries(dout, lay)  # in its own dtype: each block is cast on use
         lse_all = _gather_queries(torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), lay)
         delta_all = _gather_queries(delta, lay)
         dq_all = torch.zeros_like(q_all, dtype=acc)
@@ -177,7 +177,7 @@ class _SplitSparseAttention(torch.autograd.Function):
                 continue
             pos, keep = held
             keys, in_prefix, bidx, own_row, local = _held_keys(prefix, own, pos, lay)
-            keys, qb, do = keys.to(acc), q_all[:, sl].to(acc), do_all[:, sl]
+            keys, qb, do = keys.to(acc), q_all[:, sl].to(acc), do_all[:, sl].to(acc)
             s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
             p = torch.exp(s.masked_fill(~keep[:, :, None, :], NEG) - lse_all[:, sl, :, None])
             dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
@@ -190,7 +190,7 @@ class _SplitSparseAttention(torch.autograd.Function):
             if sink is not None and local is not None:
                 pre_hit = (keep & in_prefix)[..., None]
                 sink.index_put_((local,), torch.where(pre_hit, dkeys, 0).to(sink.dtype), accumulate=True)
-        dq = sum(lay.group.exchange(per_rank(dq_all, c)))[:, :t]
+        dq = sum(lay.group.exchange_split(dq_all))[:, :t]
         return dq.to(q.dtype), down.to(own.dtype), None, None, None, None, None, None
 
 

@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..models.common.moe import Experts
+
 
 @dataclass
 class ExpertGroup:
@@ -38,10 +40,15 @@ class ExpertGroup:
     local: int
     divide: float = 1.0  # what the experts' gradients are divided by (FSDP's gradient divide factor)
 
+    def weights(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        return local_weights(module)
+
+    def route(self, rows: Tensor, experts: Tensor, run) -> Tensor:
+        return route(rows, experts, self, run)
+
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The model's fused-experts modules (those that can be expert-parallel)."""
-    from ..models.common.moe import Experts
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 

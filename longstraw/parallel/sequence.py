@@ -125,6 +125,11 @@ class SequenceGroup:
         part of one shape on every rank)."""
         return parts
 
+    def exchange_split(self, t: Tensor) -> list[Tensor]:
+        """`exchange` of `t`'s C equal blocks on dim 0 ([C * B, ...]: block r to rank r), sent as `t` is (no
+        stacked copy of the parts)."""
+        return self.exchange(list(t.unflatten(0, (self.size, -1)).unbind(0)))
+
     def gather_padded(self, t: Tensor, length: int, dim: int) -> Tensor:
         """Every rank's `t` padded to `length` along `dim`, concatenated on dim 0 in rank order ([C * B, ...]
         for t [B, ...]; no autograd)."""
@@ -247,11 +252,14 @@ class SequenceParallel(SequenceGroup):
         return [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
 
     def exchange(self, parts: list[Tensor]) -> list[Tensor]:
-        send = torch.stack(parts).contiguous()
+        return self.exchange_split(torch.cat(parts))
+
+    def exchange_split(self, t: Tensor) -> list[Tensor]:
+        send = t.contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         self.bytes_communicated += send.nelement() * send.element_size() * (self.size - 1) // self.size
-        return list(recv.unbind(0))
+        return list(recv.unflatten(0, (self.size, -1)).unbind(0))
 
     def check_agree(self, what: str, settings: dict) -> None:
         text = json.dumps(settings, sort_keys=True, default=str).encode()

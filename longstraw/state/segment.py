@@ -239,15 +239,16 @@ class Segment:
         `SplitSelection` of every rank's queries over the rows this rank holds, for `attend_sparse`.
 
         `queries` are the indexer's queries ([B, T, ...] each), `score(queries, keys)` their scores [B, T, L]
-        over key rows [L, D] (the prefix streams through in blocks of `KEY_BLOCK`, one block's scores alive at a
-        time) or [B, L, D]; `keys(state)` a state's index key rows; `own` the rows from `own_rows`. The segment
+        over key rows [L, D] (the prefix streams through in blocks of `sparse_attention.key_block`, one block's
+        scores alive at a time) or [B, L, D]; `keys(state)` a state's index key rows; `own` the rows from `own_rows`. The segment
         masks the own rows each query may not see."""
         rows = self.prefix_rows(layer)
-        kb = sparse_attention.KEY_BLOCK
         if self.across_ranks:
             own_keys = keys(own)
-            return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k,
-                                     self._split_layout(own.tokens, own_keys.device), kb)
+            lay = self._split_layout(own.tokens, own_keys.device)
+            kb = sparse_attention.key_block(queries[0], lay.group.size)
+            return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k, lay, kb)
+        kb = sparse_attention.key_block(queries[0])
         count = 0 if rows is None else rows.tokens
         own_scores = score(queries, keys(own))
         device = own_scores.device

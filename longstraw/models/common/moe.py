@@ -73,9 +73,8 @@ class Experts(nn.Module):
         if self.ep is None:
             y = self._sorted(x[token], experts, self.gate_up_proj, self.down_proj)
         else:
-            from ...parallel.experts import local_weights, route
-            gate_up, down = local_weights(self)
-            y = route(x[token], experts, self.ep, lambda rows, ids: self._sorted(rows, ids, gate_up, down))
+            gate_up, down = self.ep.weights(self)
+            y = self.ep.route(x[token], experts, lambda rows, ids: self._sorted(rows, ids, gate_up, down))
         y = y * w.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add(0, token, y)
 
