@@ -81,7 +81,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
         experts = module.gate_up_proj.shape[0]
         if experts % n:
             raise ValueError(f"expert parallelism needs the experts ({experts}) to split evenly over the {n} "
-                             f"ranks; use a rank count that divides {experts}, or parallel.expert_parallel: false")
+                             f"ranks; use a rank count that divides {experts}, or optim.expert_parallel: false")
         local = experts // n
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(module, name)
