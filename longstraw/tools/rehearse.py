@@ -20,12 +20,15 @@ What it leaves out, to run in minutes:
 - MoE routing (which expert a token picks is a value): routing is taken as balanced, each rank receiving as many
   (token, expert) rows as it sends (expert parallelism), and every row runs through one expert's weights, which
   saves what its own expert would;
+- DSA's selection on a split prompt scores two key blocks of the prefix, not all (each block's scores are the
+  same transient), and keeps k candidates;
 - the layer-major prompt order (ZeRO-3's `auto` on GLM-5): a plan that walks the prompt layer by layer is refused
   (`--prompt-order chunks` plans the chunk order, which the rehearsal runs).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +51,7 @@ from ..models.config import with_rope_scaling
 from ..models.registry import build
 from ..lora import add_lora
 from ..models.common.moe import Experts
-from ..ops import gated_delta
+from ..ops import gated_delta, sparse_attention, split_sparse_attention
 from ..parallel import experts as experts_mod
 from ..parallel.experts import expert_modules
 from ..parallel import SequenceParallel, local_shard, shard_model
@@ -181,18 +184,31 @@ def _balanced_route(rows: torch.Tensor, experts: torch.Tensor, ep, run) -> torch
     return run(rows.clone(), experts).clone()
 
 
+def _two_blocks_topk(score_blocks, k: int):
+    """`topk_candidates`' stand-in: the first two key blocks scored and merged (every block's scores are the same
+    transient; at 2.1M tokens a layer has hundreds), then k candidates, as a long prefix yields."""
+    run = sparse_attention.topk_candidates(itertools.islice(score_blocks, 2), k)
+    if run is None:
+        return None
+    vals, pos = run
+    return vals.new_empty(*vals.shape[:-1], k), pos.new_empty(*pos.shape[:-1], k)
+
+
 @contextmanager
 def _stand_ins(kernels: bool) -> Iterator[None]:
-    """What the rehearsal runs in place of value-sized code: the GPU delta-rule kernel's shapes (`kernels`) and
-    the experts' routing."""
-    saved = (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted)
+    """What the rehearsal runs in place of value-sized or merely long code: the GPU delta-rule kernel's shapes
+    (`kernels`), the experts' routing, and DSA's selection over two key blocks."""
+    saved = (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted,
+             split_sparse_attention.topk_candidates)
     if kernels:
         gated_delta.chunk_gated_delta_rule = _kernel_delta_rule
     experts_mod.route, Experts._sorted = _balanced_route, _one_expert
+    split_sparse_attention.topk_candidates = _two_blocks_topk
     try:
         yield
     finally:
-        gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted = saved
+        (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted,
+         split_sparse_attention.topk_candidates) = saved
 
 
 def rehearse(hf_config: dict, tokens: int, gpus: int, plan: dict, *, ranks: list[int] | None = None,
