@@ -155,14 +155,17 @@ class _SplitSparseAttention(torch.autograd.Function):
         # the partial outputs travel in the model's dtype, their log-sum-exps in fp32 (as split_attention.py's)
         out, lse = merge_ranks(lay.group.exchange_split(o_p.to(q.dtype)), lay.group.exchange_split(l_p))
         out, lse = out[:, :t], lse[:, :t]
-        ctx.save_for_backward(q, own, q_all, out, lse)
-        ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay = prefix, sel, sink, scale, vdim, lay
+        # the selection is saved, not kept as an attribute: per-layer checkpointing then drops it with the layer's
+        # other tensors and recomputes it (as an attribute, every layer's [C * B, L, k] stayed for the backward)
+        ctx.save_for_backward(q, own, q_all, out, lse, sel.pos, sel.keep)
+        ctx.prefix, ctx.sink, ctx.scale, ctx.vdim, ctx.lay = prefix, sink, scale, vdim, lay
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, own, q_all, out, lse = ctx.saved_tensors
-        prefix, sel, sink, scale, vdim, lay = ctx.prefix, ctx.sel, ctx.sink, ctx.scale, ctx.vdim, ctx.lay
+        q, own, q_all, out, lse, pos, keep = ctx.saved_tensors
+        sel = SplitSelection(pos, keep)
+        prefix, sink, scale, vdim, lay = ctx.prefix, ctx.sink, ctx.scale, ctx.vdim, ctx.lay
         t = q.shape[1]
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
