@@ -59,12 +59,12 @@ def _adapted(model: nn.Module) -> bool:
     return any(id(m) in wrapped for m in expert_modules(model))
 
 
-def experts_divide(model: nn.Module) -> bool:
-    """Whether `model` has fused experts without adapters whose count splits evenly over the torch.distributed
-    ranks (expert parallelism's `auto`)."""
+def experts_divide(model: nn.Module, ranks: int | None = None) -> bool:
+    """Whether `model` has fused experts without adapters whose count splits evenly over `ranks` (default: the
+    torch.distributed world) (expert parallelism's `auto`)."""
+    ranks = dist.get_world_size() if ranks is None else ranks
     experts = expert_modules(model)
-    return (bool(experts) and not _adapted(model)
-            and all(m.gate_up_proj.shape[0] % dist.get_world_size() == 0 for m in experts))
+    return bool(experts) and not _adapted(model) and all(m.gate_up_proj.shape[0] % ranks == 0 for m in experts)
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:

@@ -41,7 +41,7 @@ from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
 from ..ops.sparse_attention import SCORE_BYTES
-from ..parallel.experts import expert_modules
+from ..parallel.experts import expert_modules, experts_divide
 from ..train.precision import Offload, Precision, optimizer_bytes
 from .activations import ActivationProfile, LayerKind, activation_profile
 from .state_size import state_size
@@ -109,21 +109,20 @@ def _attention_extras(meta, tokens_per_rank: float, width: int) -> dict[str, flo
 def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
     """Whether the step runs expert-parallel: as asked, else (as `shard_model`) whenever the model has fused
     experts under ZeRO-2/3 and they split evenly over the GPUs."""
-    experts = expert_modules(meta)
-    fits = bool(experts) and zero >= 2 and all(e.gate_up_proj.shape[0] % gpus == 0 for e in experts)
+    fits = zero >= 2 and experts_divide(meta, gpus)
     if asked and not fits:
         raise ValueError("--expert-parallel on needs a MoE model under --zero 2 or 3 whose experts split evenly "
                          f"over the {gpus} GPUs")
     return fits if asked is None else asked
 
 
-def _all_to_all_bytes(meta, rows_per_token: float, width: int) -> float:
+def _all_to_all_bytes(meta, width: int) -> float:
     """Bytes per token of one MoE layer's expert-parallel buffers: each (token, expert) row sent and received,
     there and back."""
     moe = [m for m in meta.modules() if isinstance(m, MoE)]
     if not moe:
         return 0.0
-    return 4 * moe[0].gate.top_k * meta.config.hidden_size * width * rows_per_token
+    return 4 * moe[0].gate.top_k * meta.config.hidden_size * width
 
 
 def _fsdp_transients(meta, zero: int, precision: Precision, frozen: bool, experts_local: bool = False
@@ -184,7 +183,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
              "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
              "expert_parallel": ep,
-             "all_to_all": _all_to_all_bytes(meta, 1.0, 4 if precision == "fp32" else 2) if ep else 0.0}
+             "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0}
     # under ZeRO-3 the engine's `auto` order is searched against the chunk order, which holds no layer-major
     # checkpoints
     orders = ["auto", "chunks"] if prompt_order == "auto" and zero == 3 else [prompt_order]

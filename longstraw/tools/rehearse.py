@@ -53,7 +53,6 @@ from ..lora import add_lora
 from ..models.common.moe import Experts
 from ..ops import gated_delta, sparse_attention, split_sparse_attention
 from ..parallel import experts as experts_mod
-from ..parallel.experts import expert_modules
 from ..parallel import SequenceParallel, local_shard, shard_model
 from ..state import boundary_states
 from .activations import FLA_CHUNK
@@ -291,7 +290,7 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
                     expert_parallel=plan.get("expert_parallel"))
     with fake_mode(allow_non_fake_inputs=True), HostValues(), live:
         model = model.to_empty(device="cpu")
-        for e in expert_modules(model):  # DTensors not FSDP's: their local storage is made under DTensor's dispatch
+        for e in experts_mod.expert_modules(model):  # DTensors not FSDP's: their local storage is made under DTensor's dispatch
             for p in e.parameters():
                 live.add(local_shard(p))
         optimizer = _optimizer(model, mixed) if plan["offload"] == "none" else None
