@@ -86,6 +86,8 @@ def worker(args: argparse.Namespace) -> None:
         from longstraw.tools.rehearse import LiveBytes
 
         tracker = LiveBytes("cpu")
+        for t in [*model.parameters(), *model.buffers()]:  # there before the step, as RSS's baseline has them
+            tracker.ignore(local_shard(t))
     t0 = time.perf_counter()
     with tracker:
         stats = ls.grpo_backward(model, prompt, responses, adv, mode="exact", engine=cfg, parallel=sp)

@@ -100,6 +100,13 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._drop, key)
 
+    def ignore(self, t: torch.Tensor) -> None:
+        """Leave `t`'s storage out: a measure of what a step allocates does not count the weights it reads."""
+        storage = t.untyped_storage()
+        if id(storage) not in self.live:
+            self.live[id(storage)] = 0
+            weakref.finalize(storage, self._drop, id(storage))
+
     def _drop(self, key: int) -> None:
         self.now -= self.live.pop(key, 0)
 
