@@ -36,6 +36,9 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
             code = 0
             try:
                 spmd.serve(Worker(cfg, ranks))
+            except spmd.LeaderLost:
+                code = 1  # printed and recorded; nobody else reports it, and torchrun then stops a stalled rank 0
+                spmd.stop_agent(ranks)
             except spmd.RankFailed:
                 # printed and recorded; rank 0 reports it. Beside rank 0 exit 0 (torchrun would stop rank 0 on a
                 # failed local worker); on another node exit 1, so that the scheduler sees this node fail too

@@ -5,9 +5,11 @@ the model and the optimizer resident for the whole run. Rank 0 also runs the orc
 each stage it runs is an op: rank 0 broadcasts it as a JSON command (`Driver.call`), every rank executes it on
 its resident model with the same arguments (`execute`: the method `Worker.OPS` names), and rank 0 gets every
 rank's small JSON result. The ops' own collectives (attention merges, FSDP gathers, gradient sums) run over the
-compute process group; commands over a separate gloo group, whose long timeout lets the ranks wait while rank 0
-does rank-0-only work (rewards, tracking), and results over another with the collective timeout (a rank that
-vanished without closing its connections, e.g. a machine that lost power, fails the gather then, not in days).
+compute process group; commands over a separate gloo group and results over another. Every group has the
+collective timeout, so a rank that vanished without closing its connections (a machine that lost power or its
+network) fails the others then, not in days. While rank 0 does rank-0-only work (rewards, tracking, its flow's
+start), a thread of it broadcasts a heartbeat on the command group a few times per timeout; the other ranks
+wait for commands only that long, and a rank 0 that went silent is named as lost (`LeaderLost`).
 Nothing here is a home-made transport: torchrun starts the processes, torch.distributed moves the bytes. At
 N = 1 the same ops run in-process without any of it.
 
@@ -27,8 +29,10 @@ rank sees the run directory it writes (the checkpoint commit and the state shard
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -36,7 +40,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,13 +54,17 @@ from ..parallel.launch import torchrun
 from ..parallel.objects import broadcast_json, gather_json
 from .config import TrainConfig
 
-CONTROL_TIMEOUT = timedelta(days=7)  # ranks wait this long for rank 0's next command
+HEARTBEATS_PER_TIMEOUT = 4  # rank 0's heartbeats per collective timeout, while the others wait for a command
 RECORD_WAIT_S = 5.0  # after a failure, how long rank 0 waits for the other ranks' error records
 CLOCK_SKEW_S = 30.0  # records are stamped by each machine's clock; the run's start clears older ones anyway
 
 
 class RankFailed(RuntimeError):
     """A rank of the SPMD job failed; the job is over (resume continues it)."""
+
+
+class LeaderLost(RankFailed):
+    """Rank 0 sent neither a command nor a heartbeat within the collective timeout, or its connection closed."""
 
 
 class Agreed(Exception):
@@ -78,6 +86,9 @@ class Ranks:
     world: int
     results: dist.ProcessGroup | None = None  # gathers of results: the collective timeout (default: control)
     places: list[dict] | None = None  # every rank's {"node", "host"}, in rank order
+    # rank 0's one sender on the control group at a time: an op's command, a heartbeat or the stop
+    control_lock: threading.RLock = field(default_factory=threading.RLock)
+    closed: bool = False  # no more commands or heartbeats (stopped, or the groups are gone)
 
     def where(self, rank: int) -> str:
         """'node 1, host h1' of a rank (its launcher's --node-rank and its machine)."""
@@ -140,7 +151,7 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=p.collective_timeout_s))
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=p.collective_timeout_s))
     results = dist.new_group(backend="gloo", timeout=timedelta(seconds=p.collective_timeout_s))
     if p.data_parallel == 1:
         parallel = SequenceParallel()
@@ -156,8 +167,24 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
         print(f"longstraw: {world} ranks: " + "; ".join(
             f"rank {r} on {ranks.where(r)}" for r in range(world)), flush=True)
     _check_shared_run_dir(cfg, ranks)
+    if ranks.leader:
+        threading.Thread(target=_heartbeat, args=(ranks, p.collective_timeout_s / HEARTBEATS_PER_TIMEOUT),
+                         name="longstraw-heartbeat", daemon=True).start()
     _RANKS = ranks
     return _RANKS
+
+
+def _heartbeat(ranks: Ranks, every_s: float) -> None:
+    """Rank 0's thread: tell the ranks waiting for a command that rank 0 is alive, until the job ends."""
+    while True:
+        time.sleep(every_s)
+        with ranks.control_lock:
+            if ranks.closed:
+                return
+            try:
+                ranks.broadcast({"op": "alive"})
+            except RuntimeError:  # a rank is gone: the flow's next op finds it and names it
+                return
 
 
 def _check_shared_run_dir(cfg: TrainConfig, ranks: Ranks) -> None:
@@ -193,6 +220,9 @@ def joined() -> bool:
 def shutdown() -> None:
     """Leave the job: destroy the process groups (which also makes peers blocked on us fail at once)."""
     global _RANKS
+    if _RANKS is not None:
+        with _RANKS.control_lock:  # not while rank 0's heartbeat is sending
+            _RANKS.closed = True
     if dist.is_initialized():
         dist.destroy_process_group()
     _RANKS = None
@@ -300,7 +330,8 @@ class Driver:
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        self._lock = threading.Lock()  # one op at a time: every rank must see the same sequence
+        # one op at a time (every rank must see the same sequence), and no heartbeat in between
+        self._lock = worker.ranks.control_lock
         self._failed: RankFailed | None = None
 
     def call(self, op: str, **params) -> dict:
@@ -357,19 +388,49 @@ class Driver:
                     ranks.broadcast({"op": "stop"})
                 except RuntimeError:
                     pass  # a peer is gone already
+            ranks.closed = True
 
 
 def serve(worker) -> None:
     """The loop of ranks 1..N-1: execute rank 0's commands until it says stop."""
     ranks = worker.ranks
     while True:
-        cmd = ranks.broadcast(None)
+        try:
+            cmd = ranks.broadcast(None)
+        except RuntimeError as e:
+            raise _leader_lost(worker, e) from e
+        if cmd["op"] == "alive":
+            continue
         if cmd["op"] == "stop":
             return
         try:
             execute(worker, cmd["op"], cmd["params"])
         except Agreed:
             continue  # every rank raised it; rank 0 handles it and sends the next command
+
+
+def _leader_lost(worker, error: RuntimeError) -> LeaderLost:
+    """Rank 0 did not send the next command: printed, recorded, and the groups torn down (the other ranks stop
+    too); the job cannot go on without the rank that drives it."""
+    ranks, cfg = worker.ranks, worker.cfg
+    silent = "Timed out" in str(error)
+    how = (f"sent neither a command nor a heartbeat for {cfg.pipeline.collective_timeout_s:g} s" if silent
+           else "closed its connection")
+    lost = LeaderLost(f"lost rank 0 of {ranks.world} ({ranks.where(0)}), which drives the run: it {how}; its "
+                      f"processes were stopped or killed, or its machine is down or unreachable (the job stopped; "
+                      f"`longstraw resume {cfg.run_dir}` continues it)")
+    _record_failure(cfg, ranks, "its wait for rank 0's next command", {}, lost)
+    shutdown()
+    return lost
+
+
+def stop_agent(ranks: Ranks) -> None:
+    """After `LeaderLost` on a node without rank 0: end this node's torchrun agent. A silent machine that hosts the
+    rendezvous store leaves the agent blocked on it for good (the store client has no read timeout), and it would
+    never see its ranks exit; killed, it shows the scheduler (or `longstraw train`) this node's failure."""
+    if not ranks.beside_leader and "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(os.getppid(), signal.SIGKILL)
 
 
 def clear_failures(cfg: TrainConfig) -> None:

@@ -9,6 +9,7 @@ interface (torch's TCPStore, which serves the rendezvous, has no bind address: i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -76,7 +77,6 @@ def test_placement_is_neither_in_cache_keys_nor_resumed(tmp_path):
     """Where the ranks ran does not change what a stage computes (its cached result holds on other nodes), and a
     resume runs where its command line says (one node by default), not where the stopped run ran."""
     import argparse
-    import json
 
     from flows.cli import _overrides, _resume_config
     from longstraw.config import with_overrides
@@ -225,6 +225,68 @@ def test_a_silent_node_fails_the_run_after_the_collective_timeout(tmp_path):
     assert timeout_s * 0.9 <= seconds < timeout_s + 30, seconds
 
 
+def _with_timeout(tmp_path: Path, timeout_s: float) -> Path:
+    import yaml
+
+    config = _yaml(tmp_path, "run")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["pipeline"]["collective_timeout_s"] = timeout_s
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def test_rank_0_busy_past_the_timeout_keeps_the_run(tmp_path, one_node):
+    """Rank 0 alone for longer than the collective timeout (here after step 1's replay; in a run: scoring, tracking,
+    its flow's start) while rank 1 waits for its next command: its heartbeat keeps rank 1 waiting."""
+    timeout_s, pause_s = 10, 25
+    marker = tmp_path / "paused"
+    done = _cli(["train", "--config", str(_with_timeout(tmp_path, timeout_s)), "--nproc", "2"], tmp_path,
+                LONGSTRAW_TEST_PAUSE=f"replay:1:{marker}:{pause_s}", **LOOPBACK)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert marker.exists()
+    got = _final(tmp_path, "run")
+    assert all(torch.equal(got[k], one_node[k]) for k in one_node)
+
+
+def test_a_silent_rank_0_fails_the_other_node_naming_it(tmp_path):
+    """Rank 0's machine goes silent (SIGSTOP of its launcher and rank) while rank 1, on the other node, waits for a
+    command: rank 1 fails after `collective_timeout_s`, naming rank 0's node and host, and its node exits non-zero
+    (before heartbeats, it waited for the command group's timeout of 7 days)."""
+    timeout_s = 20
+    marker = tmp_path / "paused"
+    procs = _nodes(_with_timeout(tmp_path, timeout_s), tmp_path,
+                   hooks={"LONGSTRAW_TEST_PAUSE": f"replay:1:{marker}:600"})
+    rank0 = launcher = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists():
+            ended = [p for p in procs if p.poll() is not None]
+            assert not ended, "a node ended before step 1's replay:\n" + ended[0].stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached step 1's replay"
+            time.sleep(0.2)
+        rank0, launcher = map(int, marker.read_text().split())
+        assert launcher == procs[0].pid  # node 0, which started first, has rank 0 (see _nodes)
+        hit = time.monotonic()
+        os.killpg(launcher, signal.SIGSTOP)
+        os.killpg(rank0, signal.SIGSTOP)
+        out = procs[1].communicate(timeout=timeout_s + 60)[0]
+        seconds = time.monotonic() - hit
+    finally:
+        for group in (launcher, rank0):
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+        _wait(procs, 1)
+    assert procs[1].returncode != 0, out[-3000:]
+    assert timeout_s * 0.5 <= seconds < timeout_s + 30, seconds
+    assert json.loads((tmp_path / "run" / "ranks" / "error-rank001.json").read_text())["rank"] == 1
+    line = next((x for x in out.splitlines() if "lost rank 0 of 2" in x), None)
+    assert line is not None, out[-3000:]
+    assert (f"lost rank 0 of 2 (node 0, host {socket.gethostname()}), which drives the run: it sent neither a "
+            f"command nor a heartbeat for {timeout_s} s") in line, line
+    assert f"`longstraw resume {tmp_path / 'run'}` continues it" in line, line
+
+
 def test_an_error_on_node_1_fails_both_nodes(tmp_path):
     """Rank 1's own error in replay: rank 0 names it, and both nodes' launchers exit non-zero (a scheduler sees
     every node of the job fail; on one machine, rank 1 exits 0 instead, so that torchrun leaves rank 0 be)."""
@@ -260,7 +322,6 @@ def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
 def test_rank_0_names_the_ranks_that_recorded_nothing_by_node(tmp_path, monkeypatch):
     """Four ranks on two nodes; node 1 (ranks 2, 3) is lost: rank 1 recorded that a peer left, ranks 2 and 3
     recorded nothing, so they are the lost ones. A rank's own error, when one is recorded, is named instead."""
-    import json
 
     from longstraw.train import spmd
     from tests.flows.test_train_flow import config

@@ -6,6 +6,8 @@ builds ("load") to <dir>/rank<RANK>.txt.
 LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>: that rank raises in that op of that step.
 LONGSTRAW_TEST_STALL=<op>:<step>:<rank>:<file>: in that op of that step, that rank writes its PID and its
 launcher's process group (torchrun's, which runs each rank in a session of its own) to <file> and sleeps.
+LONGSTRAW_TEST_PAUSE=<op>:<step>:<file>:<seconds>: rank 0, once that op of that step has run on every rank, writes
+the same to <file> and sleeps that long before its next command (the other ranks wait for it meanwhile).
 """
 
 import functools
@@ -15,7 +17,7 @@ import os
 import sys
 import time
 
-WATCHED = ("longstraw.train.worker", "longstraw.train.checkpoint")
+WATCHED = ("longstraw.train.worker", "longstraw.train.checkpoint", "longstraw.train.spmd")
 
 
 def _note(what: str) -> None:
@@ -59,12 +61,31 @@ def _patch(module) -> None:
         op, step, rank, marker = stall.split(":", 3)
 
         def sleep(self, *a, **kw):
-            with open(marker + ".tmp", "w") as f:
-                f.write(f"{os.getpid()} {os.getpgid(os.getppid())}")
-            os.replace(marker + ".tmp", marker)
+            _mark(marker)
             time.sleep(600)
 
         _instead(module, op, int(step), rank, sleep)
+    pause = os.environ.get("LONGSTRAW_TEST_PAUSE")
+    if pause and module.__name__ == "longstraw.train.spmd":
+        op, step, marker, seconds = pause.split(":")
+        call = module.Driver.call
+
+        @functools.wraps(call)
+        def paused(self, name, **params):
+            out = call(self, name, **params)
+            if name == op and params.get("step") == int(step):
+                _mark(marker)
+                time.sleep(float(seconds))
+            return out
+
+        module.Driver.call = paused
+
+
+def _mark(marker: str) -> None:
+    """This process's PID and its launcher's process group into `marker`, whole or not at all."""
+    with open(marker + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {os.getpgid(os.getppid())}")
+    os.replace(marker + ".tmp", marker)
 
 
 def _instead(module, op: str, step: int, rank: str, fn) -> None:
@@ -106,5 +127,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(os.environ.get(f"LONGSTRAW_TEST_{what}") for what in ("COUNTS", "FAULT", "STALL")):
+if any(os.environ.get(f"LONGSTRAW_TEST_{what}") for what in ("COUNTS", "FAULT", "STALL", "PAUSE")):
     sys.meta_path.insert(0, _Finder())
