@@ -68,7 +68,7 @@ def _run(cfg: TrainConfig, progress: bool) -> int:
             where = f" (node {p.node_rank} of {p.nnodes})" if p.nnodes > 1 else ""
             print(f"longstraw: the {p.nproc}-rank run failed{where} (exit {code}); `longstraw resume "
                   f"{cfg.run_dir}` continues it", file=sys.stderr)
-        return code if code > 0 else 1  # torchrun killed by a signal: -N
+        return code if code >= 0 else 1  # torchrun killed by a signal: -N
     from .train import grpo_train
 
     from .report import report

@@ -13,8 +13,9 @@ import sys
 def torchrun(module: str, args: list[str], nproc: int, threads: int | None = None, *, nnodes: int = 1,
              rdzv_endpoint: str | None = None, rdzv_id: str = "longstraw", **run_kwargs
              ) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run ... -m module args...` for this machine's nproc / nnodes ranks, waited
-    for. Each rank runs `threads` torch threads (default: the machine's cores divided among its ranks)."""
+    """`torchrun ... -m module args...` for this machine's nproc / nnodes ranks, waited for (torch's agent, its
+    failure report one line: `agent.py`). Each rank runs `threads` torch threads (default: the machine's cores
+    divided among its ranks)."""
     per_node = nproc // nnodes
     threads = threads or max(1, (os.cpu_count() or 1) // per_node)
     if nnodes == 1 and rdzv_endpoint is None:
@@ -24,7 +25,7 @@ def torchrun(module: str, args: list[str], nproc: int, threads: int | None = Non
         # numbers the nodes itself here (it ignores --node-rank outside its static rendezvous).
         where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                  f"--rdzv-id={rdzv_id}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={per_node}",
+    cmd = [sys.executable, "-m", "longstraw.parallel.agent", *where, f"--nproc-per-node={per_node}",
            "--monitor-interval=0.5", "-m", module, *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, env=env, **run_kwargs)

@@ -66,7 +66,7 @@ def test_torchrun_line_per_placement(monkeypatch):
     launch.torchrun("flows.ranks", ["--x"], 8, nnodes=4, rdzv_endpoint="node0:29500")
     launch.torchrun("flows.ranks", ["--x"], 2)
     (multi, env), (one, _) = seen
-    assert multi[multi.index("torch.distributed.run") + 1:multi.index("-m", 3)] == [
+    assert multi[multi.index("longstraw.parallel.agent") + 1:multi.index("-m", 3)] == [
         "--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=longstraw",
         "--nproc-per-node=2", "--monitor-interval=0.5"]
     assert "--standalone" in one and "--nproc-per-node=2" in one and not any("rdzv" in a for a in one)
@@ -159,6 +159,18 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
     assert sorted(p.name for p in state.iterdir()) == ["manifest.json", "shard-000", "shard-001"]  # one per rank
 
 
+def _marked(marker: Path, procs: list[subprocess.Popen]) -> tuple[int, int]:
+    """The (rank PID, launcher process group) a test hook wrote to `marker` once the run reached its op."""
+    deadline = time.monotonic() + TIMEOUT
+    while not marker.exists():
+        ended = [p for p in procs if p.poll() is not None]
+        assert not ended, "a node ended before the hook's op:\n" + ended[0].stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached the hook's op"
+        time.sleep(0.2)
+    rank, launcher = map(int, marker.read_text().split())
+    return rank, launcher
+
+
 def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float) -> tuple[int, float, str, int]:
     """A two-node run whose rank 1 stalls in step 1's replay, then gets `how` on its node's every process (its
     launcher, torchrun agent and rank; SIGSTOP: a machine gone silent, its connections left open). Returns the
@@ -172,13 +184,7 @@ def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float
     marker = tmp_path / "stalled"
     procs = _nodes(config, tmp_path, hooks={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})  # rank 1 stalls
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():
-            ended = [p for p in procs if p.poll() is not None]
-            assert not ended, "a node ended before rank 1 reached step 1's replay:\n" + ended[0].stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "rank 1 never reached step 1's replay"
-            time.sleep(0.2)
-        rank1, launcher = map(int, marker.read_text().split())
+        rank1, launcher = _marked(marker, procs)
         lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on
         assert lost == 1  # node 0, which started first, has rank 0 (see _nodes)
         hit = time.monotonic()
@@ -258,13 +264,7 @@ def test_a_silent_rank_0_fails_the_other_node_naming_it(tmp_path):
                    hooks={"LONGSTRAW_TEST_PAUSE": f"replay:1:{marker}:600"})
     rank0 = launcher = None
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():
-            ended = [p for p in procs if p.poll() is not None]
-            assert not ended, "a node ended before step 1's replay:\n" + ended[0].stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run never reached step 1's replay"
-            time.sleep(0.2)
-        rank0, launcher = map(int, marker.read_text().split())
+        rank0, launcher = _marked(marker, procs)
         assert launcher == procs[0].pid  # node 0, which started first, has rank 0 (see _nodes)
         hit = time.monotonic()
         os.killpg(launcher, signal.SIGSTOP)
