@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 
+LAUNCHER_PID = "LONGSTRAW_LAUNCHER_PID"  # the process the agent (agent.py) must not outlive
+
 
 def torchrun(module: str, args: list[str], nproc: int, threads: int | None = None, *, nnodes: int = 1,
              rdzv_endpoint: str | None = None, rdzv_id: str = "longstraw", **run_kwargs
              ) -> subprocess.CompletedProcess:
     """`torchrun ... -m module args...` for this machine's nproc / nnodes ranks, waited for (torch's agent, its
-    failure report one line: `agent.py`). Each rank runs `threads` torch threads (default: the machine's cores
+    failure report one line, and it ends with this process: `agent.py`). Each rank runs `threads` torch threads (default: the machine's cores
     divided among its ranks)."""
     per_node = nproc // nnodes
     threads = threads or max(1, (os.cpu_count() or 1) // per_node)
@@ -27,5 +29,5 @@ def torchrun(module: str, args: list[str], nproc: int, threads: int | None = Non
                  f"--rdzv-id={rdzv_id}"]
     cmd = [sys.executable, "-m", "longstraw.parallel.agent", *where, f"--nproc-per-node={per_node}",
            "--monitor-interval=0.5", "-m", module, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())}
     return subprocess.run(cmd, env=env, **run_kwargs)

@@ -116,8 +116,8 @@ class PipelineConfig(_Strict):
                          "stage at nproc 1: a failed rank ends an SPMD job, and `longstraw resume` continues it)")
     retry_delay_seconds: float = Field(2.0, ge=0, description="first retry delay; doubles each retry")
     collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed timeout of the ranks' "
-                                        "collectives: a rank that stops answering fails the job after this long (rank 0 too: "
-                                        "it sends heartbeats while it works alone)")
+                                        "collectives: a rank that stops answering fails the job after this long "
+                                        "(rank 0 too: it sends heartbeats while it works alone)")
 
     @model_validator(mode="before")
     @classmethod

@@ -287,6 +287,31 @@ def test_a_silent_rank_0_fails_the_other_node_naming_it(tmp_path):
     assert f"`longstraw resume {tmp_path / 'run'}` continues it" in line, line
 
 
+def test_killing_only_the_launcher_stops_its_ranks(tmp_path):
+    """kill -9 of `longstraw train` alone, not its process group: the kernel sends its torchrun agent SIGTERM
+    (longstraw/parallel/agent.py) and the agent stops both ranks, instead of leaving them running unwatched."""
+    import psutil
+
+    marker = tmp_path / "stalled"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", "--config", str(_yaml(tmp_path, "run")), "--nproc", "2",
+         "--no-progress"], cwd=ROOT, env=_env(**LOOPBACK, LONGSTRAW_TEST_STALL=f"replay:1:1:{marker}"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    below: list = []
+    try:
+        _marked(marker, [proc])
+        below = psutil.Process(proc.pid).children(recursive=True)  # the agent, the ranks, rank 0's servers
+        assert len(below) >= 3, below
+        proc.kill()
+        _, alive = psutil.wait_procs(below, timeout=60)
+        assert not alive, [" ".join(p.cmdline()[:4]) for p in alive]
+    finally:
+        for p in below:  # the ranks run in sessions of their own
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _wait([proc], 1)
+
+
 def test_an_error_on_node_1_fails_both_nodes(tmp_path):
     """Rank 1's own error in replay: rank 0 names it, and both nodes' launchers exit non-zero (a scheduler sees
     every node of the job fail; on one machine, rank 1 exits 0 instead, so that torchrun leaves rank 0 be)."""
