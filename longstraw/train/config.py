@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import DType, ModelSpec
 from ..engine import EngineConfig
@@ -216,6 +216,16 @@ class TrainConfig(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
     tracking: TrackingConfig = TrackingConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_is_a_path(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError(f"run_dir {v!r} is a URL, but the run directory needs a filesystem (its lock is an "
+                             "flock, a checkpoint is committed by a rename, MLflow writes SQLite there): use a path "
+                             "every node mounts (NFS, Lustre, CephFS), and the state store on object storage with "
+                             f"store.url: {v.rstrip('/')}/store")
+        return v
 
     @model_validator(mode="after")
     def _source(self) -> "TrainConfig":

@@ -45,6 +45,15 @@ def test_placement_is_validated_with_the_fix(tmp_path, pipeline, message):
         TrainConfig.model_validate({**config(tmp_path), "pipeline": pipeline})
 
 
+def test_a_run_dir_url_is_refused_with_the_store_url_instead(tmp_path):
+    from longstraw.train.config import TrainConfig
+    from tests.flows.test_train_flow import config
+
+    fix = "use a path every node mounts (NFS, Lustre, CephFS), and the state store on object storage with store.url: "
+    with pytest.raises(ValueError, match=re.escape(fix + "s3://bucket/runs/x/store")):
+        TrainConfig.model_validate({**config(tmp_path), "run_dir": "s3://bucket/runs/x/"})
+
+
 def test_a_placement_error_on_the_command_line_names_the_fix(tmp_path, capsys):
     from flows.cli import main
 
