@@ -14,6 +14,7 @@ import atexit
 import os
 import sys
 
+from longstraw.parallel.launch import rank_failed
 from longstraw.train.config import TrainConfig
 
 
@@ -38,7 +39,6 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
                 spmd.serve(Worker(cfg, ranks))
             except spmd.LeaderLost:
                 code = 1  # printed and recorded; nobody else reports it, and torchrun then stops a stalled rank 0
-                spmd.stop_agent(ranks)
             except spmd.RankFailed:
                 # printed and recorded; rank 0 reports it. Beside rank 0 exit 0 (torchrun would stop rank 0 on a
                 # failed local worker); on another node exit 1, so that the scheduler sees this node fail too
@@ -50,6 +50,8 @@ def run_rank(cfg: TrainConfig, progress: bool = True) -> None:
         atexit._run_exitfuncs()  # what a normal exit runs (Prefect stops its temporary server, MLflow flushes)
         sys.stdout.flush()
         sys.stderr.flush()
+    if code:
+        rank_failed()  # torchrun's agent must end too, even if the rendezvous host went silent
     os._exit(code)
 
 

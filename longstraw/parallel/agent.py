@@ -1,24 +1,35 @@
-"""torchrun's agent (`torch.distributed.run`, its own arguments and behaviour) with two changes for a launcher
+"""torchrun's agent (`torch.distributed.run`, its own arguments and behaviour) with three changes for a launcher
 that waits on it (`launch.torchrun` starts this module instead of `torch.distributed.run`):
 - its failure report is one line. The failed rank has printed its error already; torchrun would then print the
   traceback of its own `ChildFailedError` and a box of the failures, which say nothing more to a user;
 - it ends with its launcher. Killed alone (kill -9 of `longstraw train`), the launcher would leave the agent and
   its ranks running unwatched; the kernel sends the agent SIGTERM instead (Linux's parent-death signal), and the
-  agent stops its ranks as it does on any SIGTERM."""
+  agent stops its ranks as it does on any SIGTERM;
+- it ends after a rank of its node failed, even when the rendezvous host went silent. torchrun's agent talks to
+  that machine's store after its ranks end, and a silent one (powered off, partitioned) leaves it blocked for
+  good: the store client has no read timeout. A failing rank says so (`launch.rank_failed`); the agent then leaves on
+  its own `STUCK_AFTER_S` later, if torch's shutdown has not ended it by then.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from .launch import LAUNCHER_PID
+from .launch import AGENT_DIR, LAUNCHER_PID
 
+STUCK_AFTER_S = 20.0  # torch's own shutdown after a failure takes a second or two with a store that answers
 PR_SET_PDEATHSIG = 1
 
 
@@ -31,8 +42,22 @@ def _end_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _watch(d: Path) -> None:
+    """A thread: once a rank said it failed, leave `STUCK_AFTER_S` later (the main thread may be blocked in C)."""
+    while not any(d.glob("failed-*")):
+        time.sleep(0.5)
+    time.sleep(STUCK_AFTER_S)
+    print(f"torchrun: a rank of this node failed {STUCK_AFTER_S:g} s ago and the agent has not ended: the "
+          "rendezvous host does not answer; leaving", file=sys.stderr, flush=True)
+    shutil.rmtree(d, ignore_errors=True)
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     _end_with_launcher()
+    d = Path(tempfile.mkdtemp(prefix="longstraw-agent-"))
+    os.environ[AGENT_DIR] = str(d)  # the ranks inherit the agent's environment
+    threading.Thread(target=_watch, args=(d,), name="longstraw-agent-watch", daemon=True).start()
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
@@ -43,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:
         print(f"torchrun: stopped its ranks on {e.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
     return 0
 
 

@@ -9,7 +9,18 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 LAUNCHER_PID = "LONGSTRAW_LAUNCHER_PID"  # the process the agent (agent.py) must not outlive
+AGENT_DIR = "LONGSTRAW_AGENT_DIR"  # where the ranks of the agent's node say that one of them failed
+
+
+def rank_failed() -> None:
+    """Called by a rank that exits with an error: its agent (agent.py) must end too, even if the rendezvous host
+    went silent."""
+    d = os.environ.get(AGENT_DIR)
+    if d and Path(d).is_dir():
+        (Path(d) / f"failed-{os.getpid()}").touch()
 
 
 def torchrun(module: str, args: list[str], nproc: int, threads: int | None = None, *, nnodes: int = 1,

@@ -29,10 +29,8 @@ rank sees the run directory it writes (the checkpoint commit and the state shard
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -422,15 +420,6 @@ def _leader_lost(worker, error: RuntimeError) -> LeaderLost:
     _record_failure(cfg, ranks, "its wait for rank 0's next command", {}, lost)
     shutdown()
     return lost
-
-
-def stop_agent(ranks: Ranks) -> None:
-    """After `LeaderLost` on a node without rank 0: end this node's torchrun agent. A silent machine that hosts the
-    rendezvous store leaves the agent blocked on it for good (the store client has no read timeout), and it would
-    never see its ranks exit; killed, it shows the scheduler (or `longstraw train`) this node's failure."""
-    if not ranks.beside_leader and "TORCHELASTIC_RUN_ID" in os.environ:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(os.getppid(), signal.SIGKILL)
 
 
 def clear_failures(cfg: TrainConfig) -> None:
