@@ -7,8 +7,8 @@ that waits on it (`launch.torchrun` starts this module instead of `torch.distrib
   agent stops its ranks as it does on any SIGTERM;
 - it ends after a rank of its node failed, even when the rendezvous host went silent. torchrun's agent talks to
   that machine's store after its ranks end, and a silent one (powered off, partitioned) leaves it blocked for
-  good: the store client has no read timeout. A failing rank says so (`launch.rank_failed`); the agent then leaves on
-  its own `STUCK_AFTER_S` later, if torch's shutdown has not ended it by then.
+  good: the store client has no read timeout. A failing rank says so (`launch.rank_failed`); the agent then
+  leaves on its own `STUCK_AFTER_S` later, if torch's shutdown has not ended it by then.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from torch.distributed.run import get_args_parser, run
 
 from .launch import AGENT_DIR, LAUNCHER_PID
 
-STUCK_AFTER_S = 20.0  # torch's own shutdown after a failure takes a second or two with a store that answers
+# torch's own shutdown after a failure takes a second or two with a store that answers, and stops the node's
+# ranks within its 30 s shutdown timeout (SIGTERM, then SIGKILL)
+STUCK_AFTER_S = 40.0
 PR_SET_PDEATHSIG = 1
 
 

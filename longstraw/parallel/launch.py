@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from pathlib import Path
 
 LAUNCHER_PID = "LONGSTRAW_LAUNCHER_PID"  # the process the agent (agent.py) must not outlive
@@ -27,8 +26,8 @@ def torchrun(module: str, args: list[str], nproc: int, threads: int | None = Non
              rdzv_endpoint: str | None = None, rdzv_id: str = "longstraw", **run_kwargs
              ) -> subprocess.CompletedProcess:
     """`torchrun ... -m module args...` for this machine's nproc / nnodes ranks, waited for (torch's agent, its
-    failure report one line, and it ends with this process: `agent.py`). Each rank runs `threads` torch threads (default: the machine's cores
-    divided among its ranks)."""
+    failure report one line, and it ends with this process: `agent.py`). Each rank runs `threads` torch threads
+    (default: the machine's cores divided among its ranks)."""
     per_node = nproc // nnodes
     threads = threads or max(1, (os.cpu_count() or 1) // per_node)
     if nnodes == 1 and rdzv_endpoint is None:
