@@ -92,20 +92,21 @@ class LiveBytes(TorchDispatchMode):
         if t.device.type != self.device or isinstance(t, DTensor):
             return
         storage = t.untyped_storage()
-        key = id(storage)
-        if key in self.live:
-            return
-        self.live[key] = storage.nbytes()
-        self.now += self.live[key]
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, self._drop, key)
+        self._register(storage, storage.nbytes())
 
     def ignore(self, t: torch.Tensor) -> None:
         """Leave `t`'s storage out: a measure of what a step allocates does not count the weights it reads."""
-        storage = t.untyped_storage()
-        if id(storage) not in self.live:
-            self.live[id(storage)] = 0
-            weakref.finalize(storage, self._drop, id(storage))
+        self._register(t.untyped_storage(), 0)
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Count `storage` as `nbytes` from now until it is freed (once: a storage seen before keeps its count)."""
+        key = id(storage)
+        if key in self.live:
+            return
+        self.live[key] = nbytes
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._drop, key)
 
     def _drop(self, key: int) -> None:
         self.now -= self.live.pop(key, 0)

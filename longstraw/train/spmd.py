@@ -148,9 +148,10 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=p.collective_timeout_s))
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=p.collective_timeout_s))
-    results = dist.new_group(backend="gloo", timeout=timedelta(seconds=p.collective_timeout_s))
+    timeout = timedelta(seconds=p.collective_timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    results = dist.new_group(backend="gloo", timeout=timeout)
     if p.data_parallel == 1:
         parallel = SequenceParallel()
     else:

@@ -181,18 +181,24 @@ def _marked(marker: Path, procs: list[subprocess.Popen]) -> tuple[int, int]:
     return rank, launcher
 
 
-def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float) -> tuple[int, float, str, int]:
-    """A two-node run whose rank 1 stalls in step 1's replay, then gets `how` on its node's every process (its
-    launcher, torchrun agent and rank; SIGSTOP: a machine gone silent, its connections left open). Returns the
-    lost node, the seconds from then until the other node's launcher exited, its output and exit status."""
+def _with_timeout(tmp_path: Path, timeout_s: float) -> Path:
+    """The test run's config with `pipeline.collective_timeout_s` set."""
     import yaml
 
     config = _yaml(tmp_path, "run")
     cfg = yaml.safe_load(config.read_text())
     cfg["pipeline"]["collective_timeout_s"] = timeout_s
     config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float) -> tuple[int, float, str, int]:
+    """A two-node run whose rank 1 stalls in step 1's replay, then gets `how` on its node's every process (its
+    launcher, torchrun agent and rank; SIGSTOP: a machine gone silent, its connections left open). Returns the
+    lost node, the seconds from then until the other node's launcher exited, its output and exit status."""
     marker = tmp_path / "stalled"
-    procs = _nodes(config, tmp_path, hooks={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})  # rank 1 stalls
+    procs = _nodes(_with_timeout(tmp_path, timeout_s), tmp_path,
+                   hooks={"LONGSTRAW_TEST_STALL": f"replay:1:1:{marker}"})  # rank 1 stalls
     try:
         rank1, launcher = _marked(marker, procs)
         lost = next(n for n, p in enumerate(procs) if p.pid == launcher)  # the node rank 1 runs on
@@ -241,16 +247,6 @@ def test_a_silent_node_fails_the_run_after_the_collective_timeout(tmp_path):
     assert timeout_s * 0.9 <= seconds < timeout_s + 30, seconds
 
 
-def _with_timeout(tmp_path: Path, timeout_s: float) -> Path:
-    import yaml
-
-    config = _yaml(tmp_path, "run")
-    cfg = yaml.safe_load(config.read_text())
-    cfg["pipeline"]["collective_timeout_s"] = timeout_s
-    config.write_text(yaml.safe_dump(cfg))
-    return config
-
-
 def test_rank_0_busy_past_the_timeout_keeps_the_run(tmp_path, one_node):
     """Rank 0 alone for longer than the collective timeout (here after step 1's replay; in a run: scoring, tracking,
     its flow's start) while rank 1 waits for its next command: its heartbeat keeps rank 1 waiting."""
@@ -273,7 +269,6 @@ def test_a_silent_rank_0_fails_the_other_node_naming_it(tmp_path):
     marker = tmp_path / "paused"
     procs = _nodes(_with_timeout(tmp_path, timeout_s), tmp_path,
                    hooks={"LONGSTRAW_TEST_PAUSE": f"replay:1:{marker}:600"})
-
     rank0 = launcher = None
     try:
         rank0, launcher = _marked(marker, procs)
