@@ -56,8 +56,10 @@ class _LayerMajor:
         self.ids = [self.segment(i)[0] for i in range(count)]
         self.ropes: list = []
 
-    def segment(self, i: int, prefix: list[LayerState] | None = None, grad: dict[int, LayerState] | None = None):
-        return chunk_segment(self.state, i, prefix, grad, self.parallel)
+    def segment(self, i: int, prefix: list[LayerState] | None = None, grad: dict[int, LayerState] | None = None,
+                tiled: bool = False):
+        """`tiled`: the layer's MLP runs in token tiles under autograd (models/common/recompute.py)."""
+        return chunk_segment(self.state, i, prefix, grad, self.parallel, checkpoint_layers=tiled)
 
     def embed(self) -> list[torch.Tensor]:
         with torch.no_grad(), self.hold(self.model):
@@ -98,7 +100,7 @@ class _LayerMajor:
                 leaf = None
                 if starts is not None:
                     leaf = prefix[j] = starts[i].leaf()
-                _, seg = self.segment(i, prefix, dstate)
+                _, seg = self.segment(i, prefix, dstate, tiled=True)
                 h = inputs[i].detach().requires_grad_()
                 with torch.enable_grad():
                     out = _run(layer, h, self.ropes[i], seg, last)

@@ -22,6 +22,10 @@ from ..parallel.sequence import ONE_RANK, SequenceGroup
 
 Tensor = torch.Tensor
 _BLOCK = 1024
+# prefix rows per call of the prefix part's backward: the gradient of that many rows exists at a time, not of the
+# rank's whole prefix (at 2.1M tokens over 8 ranks, 262K rows: a GB per layer); 4096 keys still give the GPU
+# kernel one wave of key tiles per head
+PREFIX_GRAD_ROWS = 4096
 
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "torch")
@@ -86,6 +90,33 @@ def part_backward(do, q, k, v, o, lse, causal: bool, scale: float, kernel: str =
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do, q, ke, ve, None, o, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _fold_heads(dk, g), _fold_heads(dv, g)
+
+
+def prefix_part_backward(do: Tensor, q: Tensor, pk: Tensor, pv: Tensor, o: Tensor, lse: Tensor, scale: float,
+                         kernel: str, aux, sink: tuple[Tensor, Tensor] | None) -> Tensor:
+    """dq of the (non-causal) prefix part, for queries folded to the prefix's heads (q [1, Hkv, R, d], prefix
+    k, v [Hkv, N, d]), adding the prefix rows' gradient into `sink` (dk, dv sinks; one tensor twice for shared
+    keys and values), `PREFIX_GRAD_ROWS` rows at a time."""
+    dq = None
+    for s in range(0, pk.shape[1], PREFIX_GRAD_ROWS):
+        e = min(pk.shape[1], s + PREFIX_GRAD_ROWS)
+        dq_b, dk, dv = part_backward(do, q, pk[None, :, s:e], pv[None, :, s:e], o, lse, False, scale, kernel,
+                                     _block_aux(aux, e - s))
+        if sink is not None:
+            sink[0][:, s:e].add_(dk[0])
+            sink[1][:, s:e].add_(dv[0])
+        dq = dq_b.to(_acc(q)) if dq is None else dq.add_(dq_b)
+        del dq_b, dk, dv  # before the next block's come
+    return dq.to(q.dtype)
+
+
+def _block_aux(aux, keys: int):
+    """The forward's kernel state for a backward over `keys` of its keys: FlashAttention's carries the key
+    count; the others' hold nothing that depends on the keys."""
+    if aux is None or len(aux) != 6:
+        return aux
+    cq, ck, mq, _, rng, unused = aux
+    return cq, ck, mq, keys, rng, unused
 
 
 def _forward(q, k, v, causal, scale, kernel):
@@ -249,11 +280,8 @@ class _PrefixSegmentAttention(torch.autograd.Function):
         dqp = None
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
-            dqp, dpk, dpv = part_backward(f(do), f(q), pk[None], pv[None], f(o), f(lse), False, ctx.scale, ctx.kernel,
-                                          aux_p)
-            if gk is not None:
-                gk.add_(dpk[0])
-                gv.add_(dpv[0])
+            dqp = prefix_part_backward(f(do), f(q), pk, pv, f(o), f(lse), ctx.scale, ctx.kernel, aux_p,
+                                       None if gk is None else (gk, gv))
             dqp = _unfold(dqp, b, h)
         if ctx.parallel.size > 1:  # all ranks' rows' shares: q's gradient is the same on every rank
             dqp = ctx.parallel.sum_(torch.zeros_like(dq) if dqp is None else dqp)  # a rank may hold none of them

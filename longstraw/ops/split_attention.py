@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.sequence import SequenceGroup, pad_to
-from .attention import _acc, _fold, _forward, _unfold, merge_parts, part_backward
+from .attention import _acc, _fold, _forward, _unfold, merge_parts, part_backward, prefix_part_backward
 
 Tensor = torch.Tensor
 
@@ -104,11 +104,9 @@ class _SplitChunkAttention(torch.autograd.Function):
         lse_all = group.gather_padded(lse, longest, dim=2)
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
-            dq_p, dpk, dpv = part_backward(f(do_all), f(q_all), pk[None], pv[None], f(o_all), f(lse_all), False,
-                                           scale, kernel, aux_pre)
-            if gk is not None:  # shared keys and values have one sink: both add into it
-                gk.add_(dpk[0])
-                gv.add_(dpv[0])
+            # shared keys and values have one sink: both add into it
+            dq_p = prefix_part_backward(f(do_all), f(q_all), pk, pv, f(o_all), f(lse_all), scale, kernel, aux_pre,
+                                        None if gk is None else (gk, gv))
             dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)

@@ -172,28 +172,37 @@ class _SplitSparseAttention(torch.autograd.Function):
         do_all = _gather_queries(dout, lay)  # in its own dtype: each block is cast on use
         lse_all = _gather_queries(torch.where(torch.isinf(lse), torch.zeros_like(lse), lse), lay)
         delta_all = _gather_queries(delta, lay)
-        dq_all = torch.zeros_like(q_all, dtype=acc)
+        dq = torch.zeros_like(q, dtype=acc)
         down = torch.zeros_like(own, dtype=acc)
-        for t0 in range(0, lay.longest, QUERY_BLOCK):
-            sl = slice(t0, t0 + QUERY_BLOCK)
-            if (held := _compact(sel, sl)) is None:
-                continue
-            pos, keep = held
-            keys, in_prefix, bidx, own_row, local = _held_keys(prefix, own, pos, lay)
-            keys, qb, do = keys.to(acc), q_all[:, sl].to(acc), do_all[:, sl].to(acc)
-            s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
-            p = torch.exp(s.masked_fill(~keep[:, :, None, :], NEG) - lse_all[:, sl, :, None])
-            dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
-            ds = p * (dp - delta_all[:, sl, :, None]) * scale
-            dq_all[:, sl] = torch.einsum("bthk,btkd->bthd", ds, keys)
-            dkeys = torch.einsum("bthk,bthd->btkd", ds, qb)
-            dkeys[..., :vdim] += torch.einsum("bthk,bthd->btkd", p, do)
-            own_hit = (keep & ~in_prefix)[..., None]
-            down.index_put_((bidx, own_row), torch.where(own_hit, dkeys, 0), accumulate=True)
-            if sink is not None and local is not None:
-                pre_hit = (keep & in_prefix)[..., None]
-                sink.index_put_((local,), torch.where(pre_hit, dkeys, 0).to(sink.dtype), accumulate=True)
-        dq = sum(lay.group.exchange_split(dq_all))[:, :t]
+        # every rank's queries' dq shares go to their owners a slice of positions at a time, the slices sized so
+        # that a slice of all ranks' queries is about one block: never the dq of every rank's queries at once
+        step = max(1, -(-lay.longest // lay.group.size))
+        for e0 in range(0, lay.longest, step):
+            e1 = min(e0 + step, lay.longest)
+            shares = q_all.new_zeros((q_all.shape[0], e1 - e0, *q_all.shape[2:]), dtype=acc)
+            for t0 in range(e0, e1, QUERY_BLOCK):
+                sl = slice(t0, min(t0 + QUERY_BLOCK, e1))
+                if (held := _compact(sel, sl)) is None:
+                    continue
+                pos, keep = held
+                keys, in_prefix, bidx, own_row, local = _held_keys(prefix, own, pos, lay)
+                keys, qb, do = keys.to(acc), q_all[:, sl].to(acc), do_all[:, sl].to(acc)
+                s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
+                p = torch.exp(s.masked_fill(~keep[:, :, None, :], NEG) - lse_all[:, sl, :, None])
+                dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
+                ds = p * (dp - delta_all[:, sl, :, None]) * scale
+                shares[:, sl.start - e0 : sl.stop - e0] = torch.einsum("bthk,btkd->bthd", ds, keys)
+                dkeys = torch.einsum("bthk,bthd->btkd", ds, qb)
+                dkeys[..., :vdim] += torch.einsum("bthk,bthd->btkd", p, do)
+                own_hit = (keep & ~in_prefix)[..., None]
+                down.index_put_((bidx, own_row), torch.where(own_hit, dkeys, 0), accumulate=True)
+                if sink is not None and local is not None:
+                    pre_hit = (keep & in_prefix)[..., None]
+                    sink.index_put_((local,), torch.where(pre_hit, dkeys, 0).to(sink.dtype), accumulate=True)
+            mine = sum(lay.group.exchange_split(shares))
+            if e0 < t:
+                dq[:, e0 : min(e1, t)] = mine[:, : min(e1, t) - e0]
+            del shares, mine
         return dq.to(q.dtype), down.to(own.dtype), None, None, None, None, None, None
 
 

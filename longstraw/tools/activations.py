@@ -11,7 +11,8 @@ path counted as the GPU kernels save them.
 - Linear layers, norms, the MLP / MoE and the short convolution are the same torch ops on both.
 
 Per-layer checkpointing (`EngineConfig.checkpoint_layers`) keeps each layer's input (hidden x 2 bytes) and one
-layer's activations at a time: `ActivationProfile.saved`.
+recomputed layer's activations at a time, its dense MLP run in token tiles (`LayerKind.tiled_saving`):
+`ActivationProfile.per_token`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class LayerKind:
     name: str
     count: int
     bytes_per_token: int  # one layer of this kind, autograd-saved (GPU kernels' tensors)
+    tiled_saving: int = 0  # what it holds less when recomputed: its MLP in token tiles (models/common/recompute.py)
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,12 @@ class ActivationProfile:
 
     @property
     def largest(self) -> int:
-        return max(k.bytes_per_token for k in self.kinds)
+        """One recomputed layer's activations, the most of any kind (its MLP in token tiles)."""
+        return max(k.bytes_per_token - k.tiled_saving for k in self.kinds)
 
     def per_token(self, checkpoint: bool) -> int:
         """Bytes per token held at the peak of a chunk's (or branch's) backward: every layer's activations, or
-        with per-layer checkpointing every layer's input and one layer's activations."""
+        with per-layer checkpointing every layer's input and one recomputed layer's activations."""
         return self.layers * self.hidden_bytes + self.largest if checkpoint else self.whole
 
 
@@ -116,9 +119,9 @@ def _layers(cfg: dict, n: int) -> dict:
     return out
 
 
-def _probe(cfg: dict, lora: dict | None, gpu: bool, dtype: torch.dtype) -> int:
-    """Saved bytes per token of a proxy model (`gpu`: the GPU kernels' tensors). With `lora` the proxy carries
-    the adapters and frozen weights, which save less (no input kept for a frozen weight's gradient)."""
+def _proxy(cfg: dict, lora: dict | None, dtype: torch.dtype) -> torch.nn.Module:
+    """The proxy model of `cfg`. With `lora` it carries the adapters and frozen weights, which save less (no
+    input kept for a frozen weight's gradient)."""
     torch.manual_seed(0)
     model = build_model(cfg, dtype=dtype)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -127,6 +130,35 @@ def _probe(cfg: dict, lora: dict | None, gpu: bool, dtype: torch.dtype) -> int:
         add_lora(model, r=lora["r"], target_modules=present)
     elif lora is not None:
         model.requires_grad_(False)
+    return model
+
+
+def _tiled_saving(cfg: dict, lora: dict | None, dtype: torch.dtype) -> int:
+    """Bytes per token a recomputed layer of this kind holds less with its MLP in token tiles: what its
+    feed-forward half (post-attention norm and MLP) saves beside its input, but one tile's share of it."""
+    model = _proxy(cfg, lora, dtype)
+    layer = model.decoder_layers[0]
+    tiles = layer.mlp.recompute_tiles
+    if tiles <= 1:
+        return 0
+    x = torch.randn(1, PROBE_TOKENS, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer._feed_forward(x)
+    saved = sum(n for ptr, n in storages.items() if ptr not in weights and ptr != x.untyped_storage().data_ptr())
+    per_token = -(-saved // PROBE_TOKENS)
+    return per_token - -(-per_token // tiles)
+
+
+def _probe(cfg: dict, lora: dict | None, gpu: bool, dtype: torch.dtype) -> int:
+    """Saved bytes per token of a proxy model (`gpu`: the GPU kernels' tensors)."""
+    model = _proxy(cfg, lora, dtype)
     if not gpu:
         return activation_bytes_per_token(model)
     with gpu_kernels_counted() as kernel:
@@ -145,7 +177,7 @@ def activation_profile(hf_config: dict, lora: dict | None = None, *, gpu: bool =
     for name, count, cfg, has_last in _proxies(hf_config):
         one = _probe(_layers(cfg, 1), lora, gpu, dtype)
         layer = _probe(_layers(cfg, 2), lora, gpu, dtype) - one
-        kinds.append(LayerKind(name, count, layer))
+        kinds.append(LayerKind(name, count, layer, _tiled_saving(_layers(cfg, 1), lora, dtype)))
         if has_last:
             saving = max(0, layer - one)
     width = torch.empty(0, dtype=dtype).element_size()

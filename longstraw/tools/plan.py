@@ -40,6 +40,7 @@ from ..models.common.moe import MoE
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
+from ..ops.attention import PREFIX_GRAD_ROWS
 from ..ops.sparse_attention import SCORE_BYTES
 from ..parallel.experts import expert_modules, experts_divide
 from ..train.precision import Offload, Precision, optimizer_bytes
@@ -83,27 +84,31 @@ def flat_profile(hf_config: dict, bytes_per_token: int) -> ActivationProfile:
 
 def _attention_extras(meta, tokens_per_rank: float, width: int) -> dict[str, float]:
     """Per attention layer: the bytes per chunk token of the queries every rank gathers (and its split
-    attention keeps), the rank's prefix-row bytes of the largest such layer (their gradient in its backward),
-    DSA's candidates per token (top-k positions and scores), the buffers per gathered query of DSA's backward (the
-    model's dtype is `width` bytes), and how many layers attend."""
+    attention keeps), the bytes of the prefix rows' gradient of the largest such layer (in its backward), DSA's
+    candidates per token (top-k positions and scores), the buffers of DSA's backward per gathered query and per
+    own query (the model's dtype is `width` bytes), and how many layers attend."""
     cfg = meta.config
     states = meta.empty_state(1, torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
-    backward = scores = 0
+    backward = own_backward = scores = 0
     if cfg.model_type == "glm_moe_dsa":
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         query = cfg.num_attention_heads * row * 2 + cfg.index_n_heads * cfg.index_head_dim * 2
         candidates = cfg.index_topk * 12
-        # ops/split_sparse_attention.py's backward when it exchanges the query gradients: every gathered query's
-        # output gradient (the values' width, in the model's dtype), its fp32 query gradient (sent as it is), and
-        # the fp32 query gradients the other ranks send back
-        backward = cfg.num_attention_heads * (cfg.kv_lora_rank * width + 2 * row * 4)
+        # ops/split_sparse_attention.py's backward: every gathered query's output gradient (the values' width, in
+        # the model's dtype); per own query, its fp32 gradient and, a slice of positions at a time, the fp32
+        # shares it sends and receives (a slice of every rank's queries is about the rank's own count)
+        backward = cfg.num_attention_heads * cfg.kv_lora_rank * width
+        own_backward = 3 * cfg.num_attention_heads * row * 4
         # the selection's per-head index scores of one key block (ops/sparse_attention.key_block), two alive
         scores = 2 * SCORE_BYTES
     else:
         query, candidates = cfg.num_attention_heads * cfg.head_dim * 2, 0
-    return {"query": query, "prefix_grad": max(rows, default=0) * tokens_per_rank, "candidates": candidates,
-            "query_backward": backward, "index_scores": scores, "layers": len(rows)}
+    # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's is sparse
+    prefix_grad = max(rows, default=0) * min(tokens_per_rank, PREFIX_GRAD_ROWS)
+    return {"query": query, "prefix_grad": prefix_grad, "candidates": candidates,
+            "query_backward": backward, "own_query_backward": own_backward, "index_scores": scores,
+            "layers": len(rows)}
 
 
 def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
@@ -226,12 +231,14 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
     chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk + \
-        attn["query_backward"] * chunk + attn["index_scores"] + fixed["all_to_all"] * block
+        attn["query_backward"] * chunk + attn["own_query_backward"] * block + attn["index_scores"] + \
+        fixed["all_to_all"] * block
     vocab = meta.config.vocab_size
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c + \
-        attn["query_backward"] * response_tokens * c + attn["index_scores"] + fixed["all_to_all"] * response_tokens
+        attn["query_backward"] * response_tokens * c + attn["own_query_backward"] * response_tokens + \
+        attn["index_scores"] + fixed["all_to_all"] * response_tokens
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)

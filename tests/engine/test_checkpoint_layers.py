@@ -10,6 +10,7 @@ from longstraw.engine import activation_bytes_per_token
 from longstraw.engine.budget import _saved_bytes, checkpoints_layers
 from longstraw.engine.chunks import empty_state, run_chunk, store_chunk
 from longstraw.state import PrefixView, Segment
+from longstraw.tools.rehearse import LiveBytes
 from tests.conftest import GLM, rel_err, tiny_model, with_adapters
 from tests.engine.test_exact import grad_of, group
 
@@ -86,3 +87,34 @@ def test_auto_follows_free_memory(monkeypatch):
     assert not checkpoints_layers(model, None, 1000)
     assert checkpoints_layers(model, None, 1001)
     assert checkpoints_layers(model, True, 1) and not checkpoints_layers(model, False, 10**9)
+
+
+def _recompute_peak(tiles: int | None, tokens: int, intermediate: int) -> int:
+    """The most bytes alive at once (weights left out) in a forward and backward of checkpointed layers over
+    `tokens` tokens, their MLPs recomputed in `tiles` token tiles (None: the model's own choice)."""
+    model = tiny_model("qwen3", intermediate_size=intermediate)
+    if tiles is not None:
+        for layer in model.decoder_layers:
+            layer.mlp.recompute_tiles = tiles
+    ids = torch.arange(tokens) % model.config.vocab_size
+    live = LiveBytes("cpu")
+    for t in [*model.parameters(), *model.buffers()]:
+        live.ignore(t)
+    with live:
+        x = model.model.embed_tokens(ids[None]).detach()
+        rope = model.model.rotary_emb(0, tokens, x.dtype, x.device)
+        seg = Segment(checkpoint_layers=True)
+        for layer in model.decoder_layers:
+            x = model._layer(layer, x, rope, seg)
+        x.backward(torch.ones_like(x))
+    return live.peak
+
+
+def test_mlp_tiles_lower_the_recompute_peak():
+    """A recomputed layer runs its MLP in token tiles (3 x intermediate / hidden of them): its backward never holds
+    the chunk's MLP activations (about six tensors of tokens x intermediate) at once."""
+    tokens, intermediate = 256, 512
+    assert tiny_model("qwen3", intermediate_size=intermediate).decoder_layers[0].mlp.recompute_tiles == 24
+    whole = _recompute_peak(1, tokens, intermediate)
+    tiled = _recompute_peak(None, tokens, intermediate)
+    assert tiled <= whole - 4 * tokens * intermediate * 4

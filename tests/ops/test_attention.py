@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from longstraw.ops import attention
 from longstraw.ops.attention import part_backward, part_forward, segment_attention
 
 KERNELS = ("flash", "torch")
@@ -95,6 +96,15 @@ def test_prefix_backward_matches_reference(kernel, h, hkv, n, t, b):
     for name, got, want in (("q", qq.grad, rq), ("k", kk.grad, rk), ("v", vv.grad, rv), ("pk", gk, rpk), ("pv", gv, rpv)):
         assert got.shape == want.shape, name
         assert max_err(got, want) <= 2e-5 * max(1.0, float(want.abs().max())), name
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [64, 1499])
+def test_prefix_backward_in_row_blocks_matches_reference(kernel, rows, monkeypatch):
+    """The prefix rows' gradient comes out `PREFIX_GRAD_ROWS` rows at a time (the last block partial): q's
+    gradient summed over the blocks and each block's rows in the sink are the reference's."""
+    monkeypatch.setattr(attention, "PREFIX_GRAD_ROWS", rows)
+    test_prefix_backward_matches_reference(kernel, 4, 2, 1500, 7, 3)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -300,10 +310,12 @@ def test_kernel_choice(device, dtype, qk, v, want):
 
 
 @pytest.mark.parametrize("kernel,dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
-def test_cuda_kernels_plumbing_on_meta_tensors(kernel, dtype):
+def test_cuda_kernels_plumbing_on_meta_tensors(kernel, dtype, monkeypatch):
     """The CUDA kernels' calls (arguments, the padded log-sum-exp of the efficient kernel, GQA expanded for the
-    segment part and folded back) checked with meta tensors, which run the ops' shape functions: forward and
-    backward give the shapes and dtypes of the reference. Their numerics need a GPU (test below)."""
+    segment part and folded back, the prefix backward in blocks of rows) checked with meta tensors, which run
+    the ops' shape functions: forward and backward give the shapes and dtypes of the reference. Their numerics
+    need a GPU (test below)."""
+    monkeypatch.setattr(attention, "PREFIX_GRAD_ROWS", 16)
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(2, 4, 5, 16, **meta, requires_grad=True)
     k = torch.empty(2, 2, 5, 16, **meta, requires_grad=True)

@@ -11,7 +11,7 @@ from torch import nn
 from ...state import LayerState, Segment
 from .head import chunked_logprobs, default_head_chunk
 from .mixer import TokenMixer
-from .recompute import recomputed
+from .recompute import recomputed, token_tiled
 from .rope import Rotary
 
 
@@ -29,7 +29,12 @@ class DecoderLayer(nn.Module):
 
     def _block(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), rope, seg)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        tiles = self.mlp.recompute_tiles if seg.checkpoint_layers and torch.is_grad_enabled() else 1
+        weights = [p for m in (self.post_attention_layernorm, self.mlp) for p in m.parameters() if p.requires_grad]
+        return x + token_tiled(self._feed_forward, x, tiles, weights)
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
 
     # Capture returns what the layer emitted beside its output. FSDP (`parallel/fsdp.py`) registers both as
     # forward methods and hooks the tensors they return, so a gradient that enters the layer through its emitted

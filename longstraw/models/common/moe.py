@@ -127,6 +127,8 @@ class MoE(nn.Module):
         self.experts = Experts(experts, hidden, intermediate)
         self.gate = TopkRouter(hidden, experts, top_k, groups, topk_groups, norm_topk, scaling)
         self.shared_experts = SwiGLU(hidden, intermediate * shared)
+        # recomputed whole under per-layer checkpointing: tiles would multiply the expert-parallel all-to-alls
+        self.recompute_tiles = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
