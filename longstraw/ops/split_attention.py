@@ -65,8 +65,9 @@ class _SplitChunkAttention(torch.autograd.Function):
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         o_p, l_p = merge_ranks(group.exchange_split(o_p), group.exchange_split(l_p))
         o, lse = merge_parts(o_p[:, :, :t], l_p[:, :, :t], o, lse)
-        ctx.save_for_backward(q, k, v, o, lse, q_all)
-        ctx.early = (ke, ve)  # gathered here, not inputs: kept as attributes
+        # the earlier blocks' K/V, gathered here, are saved too: per-layer checkpointing then drops them until the
+        # backward, as it drops the rest (an attribute of ctx would stay alive with every layer's graph)
+        ctx.save_for_backward(q, k, v, o, lse, q_all, ke, ve)
         ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
         ctx.aux = (aux_own, aux_early, aux_pre)
         ctx.scale, ctx.sizes, ctx.earlier, ctx.group, ctx.kernel, ctx.shared = (scale, sizes, earlier, group,
@@ -75,8 +76,8 @@ class _SplitChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, q_all = ctx.saved_tensors
-        (ke, ve), (pk, pv), (gk, gv) = ctx.early, ctx.prefix, ctx.grads
+        q, k, v, o, lse, q_all, ke, ve = ctx.saved_tensors
+        (pk, pv), (gk, gv) = ctx.prefix, ctx.grads
         aux_own, aux_early, aux_pre = ctx.aux
         group, sizes, scale, kernel = ctx.group, ctx.sizes, ctx.scale, ctx.kernel
         c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]

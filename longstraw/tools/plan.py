@@ -82,13 +82,13 @@ def flat_profile(hf_config: dict, bytes_per_token: int) -> ActivationProfile:
                              cfg.hidden_size * 2, 0)
 
 
-def _attention_extras(meta, tokens_per_rank: float, width: int) -> dict[str, float]:
+def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int) -> dict[str, float]:
     """Per attention layer: the bytes per chunk token of the queries every rank gathers (and its split
-    attention keeps), the bytes of the prefix rows' gradient of the largest such layer (in its backward), DSA's
-    candidates per token (top-k positions and scores), the buffers of DSA's backward per gathered query and per
-    own query (the model's dtype is `width` bytes), and how many layers attend."""
+    attention keeps, over `ranks` ranks), the bytes of the prefix rows' gradient of the largest such layer (in its
+    backward), DSA's candidates per token (top-k positions and scores), the buffers of the attention's backward
+    per gathered query and per own query (the model's dtype is `width` bytes), and how many layers attend."""
     cfg = meta.config
-    states = meta.empty_state(1, torch.bfloat16, "meta")
+    states = meta.empty_state(1, torch.float32 if width == 4 else torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
     backward = own_backward = scores = 0
     if cfg.model_type == "glm_moe_dsa":
@@ -103,7 +103,12 @@ def _attention_extras(meta, tokens_per_rank: float, width: int) -> dict[str, flo
         # the selection's per-head index scores of one key block (ops/sparse_attention.key_block), two alive
         scores = 2 * SCORE_BYTES
     else:
-        query, candidates = cfg.num_attention_heads * cfg.head_dim * 2, 0
+        q_row = cfg.num_attention_heads * cfg.head_dim * width
+        query, candidates = q_row if ranks > 1 else 0, 0  # one rank gathers none
+        # the prefix part's backward (ops/attention.py, ops/split_attention.py): the queries, output gradients and
+        # outputs folded to the prefix's heads (copies), a block's dq and their sum; split over ranks, also every
+        # rank's gathered output gradients and outputs
+        backward = q_row * (5 + (2 if ranks > 1 else 0))
     # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's is sparse
     prefix_grad = max(rows, default=0) * min(tokens_per_rank, PREFIX_GRAD_ROWS)
     return {"query": query, "prefix_grad": prefix_grad, "candidates": candidates,
@@ -185,7 +190,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     # what no (chunk, checkpointing) pair changes, counted once
     fixed = {"params": params, "adapters": adapters,
              "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
-             "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2),
+             "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2, c),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
              "expert_parallel": ep,
              "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0}
