@@ -105,9 +105,9 @@ def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int) -> d
     else:
         q_row = cfg.num_attention_heads * cfg.head_dim * width
         query, candidates = q_row if ranks > 1 else 0, 0  # one rank gathers none
-        # the prefix part's backward (ops/attention.py, ops/split_attention.py): the queries, output gradients and
-        # outputs folded to the prefix's heads (copies), a block's dq and their sum; split over ranks, also every
-        # rank's gathered output gradients and outputs
+        # the attention's backward (ops/attention.py, ops/split_attention.py), about five query-sized buffers: dO
+        # made contiguous, the own part's dq, a row block's dq and their sum, the copies that fold rows to the
+        # prefix's heads; split over ranks, also every rank's gathered output gradients and outputs
         backward = q_row * (5 + (2 if ranks > 1 else 0))
     # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's is sparse
     prefix_grad = max(rows, default=0) * min(tokens_per_rank, PREFIX_GRAD_ROWS)
