@@ -29,9 +29,10 @@ class DecoderLayer(nn.Module):
 
     def _block(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
         x = x + self.mixer(self.input_layernorm(x), rope, seg)
-        tiles = self.mlp.recompute_tiles if seg.checkpoint_layers and torch.is_grad_enabled() else 1
+        if not (seg.checkpoint_layers and torch.is_grad_enabled()):
+            return x + self._feed_forward(x)
         weights = [p for m in (self.post_attention_layernorm, self.mlp) for p in m.parameters() if p.requires_grad]
-        return x + token_tiled(self._feed_forward, x, tiles, weights)
+        return x + token_tiled(self._feed_forward, x, self.mlp.recompute_tiles, weights)
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(x))

@@ -10,8 +10,9 @@ Two things make a layer of ours more than a function of its input:
   every rank makes the same collectives in the same order whatever tensors its own backward needs.
 
 Within a recomputed layer, the feed-forward half (post-attention norm and a dense MLP: token-wise, and the
-widest activations of a layer, intermediate >> hidden) runs in token tiles, each under a checkpoint of its own
-(`token_tiled`): the backward holds one tile's MLP activations at a time, not the chunk's.
+widest activations of a layer, intermediate >> hidden) runs in token tiles (`token_tiled`): it keeps only its
+input, and its backward runs each tile again on its own, so it holds one tile's MLP activations at a time, not
+the chunk's.
 """
 
 from __future__ import annotations
