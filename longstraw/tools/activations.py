@@ -133,11 +133,11 @@ def _proxy(cfg: dict, lora: dict | None, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _tiled_saving(cfg: dict, lora: dict | None, dtype: torch.dtype) -> int:
-    """Bytes per token a recomputed layer of this kind holds less with its MLP in token tiles: what its
+def _tiled_saving(model: torch.nn.Module) -> int:
+    """Bytes per token a recomputed layer of the proxy's kind holds less with its MLP in token tiles: what its
     feed-forward half (post-attention norm and MLP) saves beside its input, but one tile's share of it."""
-    model = _proxy(cfg, lora, dtype)
     layer = model.decoder_layers[0]
+    dtype = next(model.parameters()).dtype
     tiles = layer.mlp.recompute_tiles
     if tiles <= 1:
         return 0
@@ -156,9 +156,8 @@ def _tiled_saving(cfg: dict, lora: dict | None, dtype: torch.dtype) -> int:
     return per_token - -(-per_token // tiles)
 
 
-def _probe(cfg: dict, lora: dict | None, gpu: bool, dtype: torch.dtype) -> int:
+def _probe(model: torch.nn.Module, gpu: bool) -> int:
     """Saved bytes per token of a proxy model (`gpu`: the GPU kernels' tensors)."""
-    model = _proxy(cfg, lora, dtype)
     if not gpu:
         return activation_bytes_per_token(model)
     with gpu_kernels_counted() as kernel:
@@ -175,9 +174,10 @@ def activation_profile(hf_config: dict, lora: dict | None = None, *, gpu: bool =
     model_cfg = config_from_hf(hf_config)
     kinds, saving = [], 0
     for name, count, cfg, has_last in _proxies(hf_config):
-        one = _probe(_layers(cfg, 1), lora, gpu, dtype)
-        layer = _probe(_layers(cfg, 2), lora, gpu, dtype) - one
-        kinds.append(LayerKind(name, count, layer, _tiled_saving(_layers(cfg, 1), lora, dtype)))
+        single = _proxy(_layers(cfg, 1), lora, dtype)
+        one = _probe(single, gpu)
+        layer = _probe(_proxy(_layers(cfg, 2), lora, dtype), gpu) - one
+        kinds.append(LayerKind(name, count, layer, _tiled_saving(single)))
         if has_last:
             saving = max(0, layer - one)
     width = torch.empty(0, dtype=dtype).element_size()

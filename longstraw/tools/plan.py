@@ -109,7 +109,8 @@ def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int) -> d
         # made contiguous, the own part's dq, a row block's dq and their sum, the copies that fold rows to the
         # prefix's heads; split over ranks, also every rank's gathered output gradients and outputs
         backward = q_row * (5 + (2 if ranks > 1 else 0))
-    # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's is sparse
+    # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's goes into
+    # its sink by selected row, counted alike (an upper bound)
     prefix_grad = max(rows, default=0) * min(tokens_per_rank, PREFIX_GRAD_ROWS)
     return {"query": query, "prefix_grad": prefix_grad, "candidates": candidates,
             "query_backward": backward, "own_query_backward": own_backward, "index_scores": scores,
