@@ -22,10 +22,17 @@ from ..parallel.sequence import ONE_RANK, SequenceGroup
 
 Tensor = torch.Tensor
 _BLOCK = 1024
-# prefix rows per call of the prefix part's backward: the gradient of that many rows exists at a time, not of the
-# rank's whole prefix (at 2.1M tokens over 8 ranks, 262K rows: a GB per layer); 4096 keys still give the GPU
-# kernel one wave of key tiles per head
+# key rows per call of an unmasked part's backward (the prefix's, a query tile's earlier keys): the gradient of
+# that many rows exists at a time, not of the rank's whole prefix (at 2.1M tokens over 8 ranks, 262K rows: a GB
+# per layer). On CUDA 4096 keys give FlashAttention's backward one wave of key tiles per head; the CPU kernel
+# splits its work over queries and heads, so more rows buy it nothing
 PREFIX_GRAD_ROWS = 4096
+PREFIX_GRAD_ROWS_CPU = 1024
+
+
+def grad_rows(device_type: str) -> int:
+    """Key rows per call of an unmasked part's backward on this device."""
+    return PREFIX_GRAD_ROWS_CPU if device_type == "cpu" else PREFIX_GRAD_ROWS
 
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "torch")
@@ -96,15 +103,23 @@ def prefix_part_backward(do: Tensor, q: Tensor, pk: Tensor, pv: Tensor, o: Tenso
                          kernel: str, aux, sink: tuple[Tensor, Tensor] | None) -> Tensor:
     """dq of the (non-causal) prefix part, for queries folded to the prefix's heads (q [1, Hkv, R, d], prefix
     k, v [Hkv, N, d]), adding the prefix rows' gradient into `sink` (dk, dv sinks; one tensor twice for shared
-    keys and values), `PREFIX_GRAD_ROWS` rows at a time."""
-    dq = None
-    for s in range(0, pk.shape[1], PREFIX_GRAD_ROWS):
-        e = min(pk.shape[1], s + PREFIX_GRAD_ROWS)
-        dq_b, dk, dv = part_backward(do, q, pk[None, :, s:e], pv[None, :, s:e], o, lse, False, scale, kernel,
+    keys and values), `grad_rows` rows at a time."""
+    return unmasked_part_backward(do, q, pk[None], pv[None], o, lse, scale, kernel, aux,
+                                  None if sink is None else (sink[0][None], sink[1][None]))
+
+
+def unmasked_part_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+                           kernel: str, aux, sink: tuple[Tensor, Tensor] | None) -> Tensor:
+    """dq of an unmasked part over keys k, v [B, Hkv, N, d], adding their gradient into `sink` (tensors of their
+    shape, any dtype) `grad_rows` rows at a time (None: dropped)."""
+    dq, rows = None, grad_rows(q.device.type)
+    for s in range(0, k.shape[2], rows):
+        e = min(k.shape[2], s + rows)
+        dq_b, dk, dv = part_backward(do, q, k[:, :, s:e], v[:, :, s:e], o, lse, False, scale, kernel,
                                      _block_aux(aux, e - s))
         if sink is not None:
-            sink[0][:, s:e].add_(dk[0])
-            sink[1][:, s:e].add_(dv[0])
+            sink[0][:, :, s:e].add_(dk)
+            sink[1][:, :, s:e].add_(dv)
         dq = dq_b.to(_acc(q)) if dq is None else dq.add_(dq_b)
         del dq_b, dk, dv  # before the next block's come
     return dq.to(q.dtype)
@@ -255,12 +270,17 @@ def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, p
 
 class _PrefixSegmentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel):
+    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel, lead, lead_grad):
         o_p, l_p, aux_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
         o_s, l_s, aux_s = _forward(q, k, v, True, scale, kernel)
         o, lse = merge_parts(o_p, l_p, o_s, l_s)
-        ctx.aux = (aux_p, aux_s)
+        aux_l = None
+        if lead is not None:
+            o_l, l_l, aux_l = _forward(q, *lead, False, scale, kernel)
+            o, lse = merge_parts(o_l, l_l, o, lse)
+        ctx.aux = (aux_p, aux_s, aux_l)
         ctx.save_for_backward(q, k, v, o, lse)
+        ctx.lead, ctx.lead_grad = lead, lead_grad  # constants to autograd, as the prefix
         # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
         # attribute (autograd's version check would otherwise reject the later appends beyond it).
         ctx.prefix = (prefix_k, prefix_v)
@@ -275,8 +295,11 @@ class _PrefixSegmentAttention(torch.autograd.Function):
         b, h = q.shape[:2]
         hkv = k.shape[1]
         do = do.contiguous()
-        aux_p, aux_s = ctx.aux
+        aux_p, aux_s, aux_l = ctx.aux
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, ctx.scale, ctx.kernel, aux_s)
+        if ctx.lead is not None:
+            dq = dq.add_(unmasked_part_backward(do, q, *ctx.lead, o, lse, ctx.scale, ctx.kernel, aux_l,
+                                                ctx.lead_grad))
         dqp = None
         if pk.shape[1]:
             f = lambda x: _fold(x, hkv)  # noqa: E731
@@ -285,7 +308,7 @@ class _PrefixSegmentAttention(torch.autograd.Function):
             dqp = _unfold(dqp, b, h)
         if ctx.parallel.size > 1:  # all ranks' rows' shares: q's gradient is the same on every rank
             dqp = ctx.parallel.sum_(torch.zeros_like(dq) if dqp is None else dqp)  # a rank may hold none of them
-        return dq if dqp is None else dq + dqp, dk, dv, None, None, None, None, None, None, None
+        return dq if dqp is None else dq.add_(dqp), dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def segment_attention(
@@ -297,17 +320,26 @@ def segment_attention(
     prefix_grad: tuple[Tensor, Tensor] | None = None,
     kernel: str = "auto",
     parallel: SequenceGroup = ONE_RANK,
+    lead: tuple[Tensor, Tensor] | None = None,
+    lead_grad: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Causal attention of a segment over `prefix` (constant to autograd) and its own keys.
 
     If `prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact mode
     collects the gradient of the prefix state across branches and prompt chunks. Over a `parallel` group of
     several ranks, `prefix` is this rank's rows (possibly none) of a prefix sharded over the group.
+
+    `lead`: keys and values [B, Hkv, L, d] of the segment's tokens before these queries (a query tile of a
+    recomputed layer, models/common/recompute.py), all visible to every query, constant to autograd like the
+    prefix: the backward adds their gradient into `lead_grad` (sinks of their shape), if given.
     """
-    if prefix is None or (parallel.size == 1 and prefix[0].shape[1] == 0):
+    if lead is None and (prefix is None or (parallel.size == 1 and prefix[0].shape[1] == 0)):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if prefix is None:
+        prefix = (k.new_zeros(k.shape[1], 0, k.shape[-1]), v.new_zeros(v.shape[1], 0, v.shape[-1]))
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
-    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel)
+    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel, lead,
+                                         lead_grad)
 
 
 def _masked_part(q: Tensor, k: Tensor, v: Tensor, scale: float, visible: Tensor) -> tuple[Tensor, Tensor]:

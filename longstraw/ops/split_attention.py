@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..parallel.sequence import SequenceGroup, pad_to
-from .attention import _acc, _fold, _forward, _unfold, merge_parts, part_backward, prefix_part_backward
+from .attention import (_acc, _fold, _forward, _unfold, merge_parts, part_backward, prefix_part_backward,
+                        unmasked_part_backward)
 
 Tensor = torch.Tensor
 
@@ -40,7 +41,8 @@ def merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
 
 class _SplitChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel):
+    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel, lead,
+                lead_grad):
         longest, t = max(sizes), q.shape[2]
         hkv = k.shape[1]
         shared = k is v  # absorbed MLA: one latent tensor is both keys and values
@@ -54,6 +56,10 @@ class _SplitChunkAttention(torch.autograd.Function):
             ve = ke if shared else torch.cat([vs[r] for r in earlier], dim=2)
             o_e, l_e, aux_early = _forward(q, ke, ve, False, scale, kernel)
             o, lse = merge_parts(o_e, l_e, o, lse)
+        aux_lead = None
+        if lead is not None:  # a query tile's keys before it (models/common/recompute.py)
+            o_l, l_l, aux_lead = _forward(q, *lead, False, scale, kernel)
+            o, lse = merge_parts(o_l, l_l, o, lse)
         # the prefix rows of earlier chunks: every block's queries over this rank's rows, results to their owners
         q_all = group.gather_padded(q, longest, dim=2)
         aux_pre = None
@@ -68,8 +74,9 @@ class _SplitChunkAttention(torch.autograd.Function):
         # the earlier blocks' K/V, gathered here, are saved too: per-layer checkpointing then drops them until the
         # backward, as it drops the rest (an attribute of ctx would stay alive with every layer's graph)
         ctx.save_for_backward(q, k, v, o, lse, q_all, ke, ve)
+        ctx.lead, ctx.lead_grad = lead, lead_grad  # constants to autograd, as the prefix
         ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
-        ctx.aux = (aux_own, aux_early, aux_pre)
+        ctx.aux = (aux_own, aux_early, aux_pre, aux_lead)
         ctx.scale, ctx.sizes, ctx.earlier, ctx.group, ctx.kernel, ctx.shared = (scale, sizes, earlier, group,
                                                                                  kernel, shared)
         return o
@@ -78,11 +85,13 @@ class _SplitChunkAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, q_all, ke, ve = ctx.saved_tensors
         (pk, pv), (gk, gv) = ctx.prefix, ctx.grads
-        aux_own, aux_early, aux_pre = ctx.aux
+        aux_own, aux_early, aux_pre, aux_lead = ctx.aux
         group, sizes, scale, kernel = ctx.group, ctx.sizes, ctx.scale, ctx.kernel
         c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]
         do = do.contiguous()
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, scale, kernel, aux_own)
+        if ctx.lead is not None:
+            dq = dq.add_(unmasked_part_backward(do, q, *ctx.lead, o, lse, scale, kernel, aux_lead, ctx.lead_grad))
         if ctx.earlier is not None:
             # earlier blocks: their dK/dV go back to their owners (zeros to everyone else, to keep shapes equal)
             zeros = k.new_zeros(1, hkv, longest, k.shape[-1] + (0 if ctx.shared else v.shape[-1]))
@@ -112,12 +121,13 @@ class _SplitChunkAttention(torch.autograd.Function):
         else:
             dq_p = torch.zeros_like(q_all)
         dq = dq + sum(group.exchange_split(dq_p)).narrow(2, 0, t)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: tuple[Tensor, Tensor],
                           prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int] | None,
-                          group: SequenceGroup, kernel: str = "auto") -> Tensor:
+                          group: SequenceGroup, kernel: str = "auto", lead: tuple[Tensor, Tensor] | None = None,
+                          lead_grad: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of this rank's queries over the sharded prefix and their own keys, every rank's queries visiting
     every rank's rows: `sizes` are the ranks' query counts, `prefix` this rank's rows; with `prefix_grad` (exact
     mode) the backward adds their gradient into it. Shared keys and values (absorbed MLA) are passed as the same
@@ -125,8 +135,15 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix:
 
     `earlier`: for the blocks of one prompt chunk (batch 1), the ranks whose blocks precede this one (in position
     order), whose keys the queries see too; None for independent sequences, such as the branches each rank
-    replays (any batch, the same on every rank)."""
+    replays (any batch, the same on every rank).
+
+    `lead`: keys and values [B, Hkv, L, d] on this rank that every query of it sees (a query tile's own tokens
+    before it, and the earlier blocks' as its layer gathered them), constant to autograd like the prefix: the
+    backward adds their gradient into `lead_grad`, if given."""
+    if lead is not None and k is v:
+        raise ValueError("lead keys are for separate keys and values (not absorbed MLA's shared latent)")
     if earlier is not None and q.shape[0] != 1:
         raise ValueError("the blocks of a prompt chunk run with batch 1")
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
-    return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel)
+    return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel,
+                                      lead, lead_grad)

@@ -10,7 +10,7 @@ from .latent import LatentState
 from .prefix import PrefixState, RowMap, boundary_states
 from .protocol import FixedState, LayerState, TokenState
 from .recurrent import RecurrentState
-from .segment import DecodeCache, PrefixView, Segment
+from .segment import DecodeCache, PrefixView, QueryTile, Segment
 
 STATE_KINDS: dict[str, type[LayerState]] = {cls.kind: cls for cls in (AttentionState, LatentState, RecurrentState)}
 
@@ -23,6 +23,7 @@ __all__ = [
     "LayerState",
     "PrefixState",
     "PrefixView",
+    "QueryTile",
     "RecurrentState",
     "RowMap",
     "Segment",

@@ -111,6 +111,19 @@ class ChunkSplit:
         return [r for r in self.order if self.blocks[r][0] < mine]
 
 
+@dataclass(frozen=True)
+class QueryTile:
+    """Some consecutive queries of a segment's own tokens that attend on their own (a tile of a recomputed layer,
+    models/common/recompute.py): `lead` are the keys and values [B, Hkv, L, d] they see besides the prefix and
+    their own tokens (the segment's tokens before the tile; on a split chunk, the earlier blocks' too), constant
+    to autograd: the backward adds their gradient into `lead_grad` if given; `sizes` every rank's tile length
+    when the queries meet every rank's rows."""
+
+    lead: tuple[Tensor, Tensor] | None
+    sizes: list[int]
+    lead_grad: tuple[Tensor, Tensor] | None = None
+
+
 class Segment:
     """Positions `start`.. of a forward. `prefix` (None: the segment starts at the sequence start) is read, never
     written. With `collect`, each layer hands what it adds to the state to `emitted` (per-token rows, or the final
@@ -182,27 +195,35 @@ class Segment:
         return new if self.cache is None else self.cache.extend(layer, new)
 
     def attend(self, layer: int, q: Tensor, own: TokenState, scale: float,
-               heads: Callable[[TokenState], tuple[Tensor, Tensor]]) -> Tensor:
+               heads: Callable[[TokenState], tuple[Tensor, Tensor]], tile: QueryTile | None = None) -> Tensor:
         """Softmax attention of q [B, H, T, d] over the layer's visible prefix and `own` (from `own_rows`):
         causal over a segment's own tokens, or a decode step over its branch so far; merged over the group when
         the prefix is sharded; in exact mode the backward adds dLoss/dPrefix into the prefix's sink.
 
         `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
-        for `own` (k and v may be one tensor: absorbed MLA's shared latent head)."""
+        for `own` (k and v may be one tensor: absorbed MLA's shared latent head). With `tile`, q are a tile of the
+        segment's queries, `own` their own rows, and the keys before them come with the tile."""
         k, v = heads(own)
+        lead, lead_grad = (None, None) if tile is None else (tile.lead, tile.lead_grad)
         if self.across_ranks:
             group = self.parallel
             sink = self.prefix_grad(layer)
-            sizes, earlier = (self.split.sizes, self.split.earlier) if self.split else ([q.shape[2]] * group.size, None)
+            if tile is not None:  # the earlier blocks' keys are in the tile's lead
+                sizes, earlier = tile.sizes, None
+            elif self.split is not None:
+                sizes, earlier = self.split.sizes, self.split.earlier
+            else:
+                sizes, earlier = [q.shape[2]] * group.size, None
             return split_chunk_attention(q, k, v, scale, heads(self._visible(self.prefix.layers[layer])),
-                                         None if sink is None else heads(sink), sizes, earlier, group)
+                                         None if sink is None else heads(sink), sizes, earlier, group, lead=lead,
+                                         lead_grad=lead_grad)
         rows = self.prefix_rows(layer)
         prefix = None if rows is None else heads(rows)
         if self.cache is not None:
             return decode_attention(q, k, v, scale, prefix, parallel=self.parallel, own_visible=self.cache.visible)
         sink = self.prefix_grad(layer)
         return segment_attention(q, k, v, scale, prefix, None if sink is None else heads(sink),
-                                 parallel=self.parallel)
+                                 parallel=self.parallel, lead=lead, lead_grad=lead_grad)
 
     def conv_tail(self, layer: int, inputs: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """A causal convolution's context: the last `width` inputs before the segment and those at its end, given

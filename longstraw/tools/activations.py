@@ -11,8 +11,8 @@ path counted as the GPU kernels save them.
 - Linear layers, norms, the MLP / MoE and the short convolution are the same torch ops on both.
 
 Per-layer checkpointing (`EngineConfig.checkpoint_layers`) keeps each layer's input (hidden x 2 bytes) and one
-recomputed layer's activations at a time, its dense MLP run in token tiles (`LayerKind.tiled_saving`):
-`ActivationProfile.per_token`.
+recomputed layer's activations at a time, its dense MLP run in token tiles (`LayerKind.tiled_saving`), or an
+attention layer's whole recompute in query tiles (`LayerKind.query_tiles`): `ActivationProfile.per_token`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ class LayerKind:
     count: int
     bytes_per_token: int  # one layer of this kind, autograd-saved (GPU kernels' tensors)
     tiled_saving: int = 0  # what it holds less when recomputed: its MLP in token tiles (models/common/recompute.py)
+    # an attention layer recomputed over this many query tiles (recompute.py) holds one tile's share of its bytes,
+    # and for all its tokens `tiled_whole` per token: keys and values, their gradients and the copy of the emitted
+    # ones' it adds into, its input's gradient
+    query_tiles: int = 1
+    tiled_whole: int = 0
+
+    @property
+    def recomputed(self) -> int:
+        """Bytes per token of one recomputed layer of this kind."""
+        if self.query_tiles > 1:
+            return -(-self.bytes_per_token // self.query_tiles) + self.tiled_whole
+        return self.bytes_per_token - self.tiled_saving
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class ActivationProfile:
     layers: int
     hidden_bytes: int  # one layer's input per token (the hidden state)
     last_saving: int  # the prompt chunk's last layer only emits its state: what it saves less than a full one
+    gpu: bool = True  # measured for the GPU path (else the CPU path's)
 
     @property
     def whole(self) -> int:
@@ -53,8 +66,8 @@ class ActivationProfile:
 
     @property
     def largest(self) -> int:
-        """One recomputed layer's activations, the most of any kind (its MLP in token tiles)."""
-        return max(k.bytes_per_token - k.tiled_saving for k in self.kinds)
+        """One recomputed layer's activations, the most of any kind (in query or MLP tiles)."""
+        return max(k.recomputed for k in self.kinds)
 
     def per_token(self, checkpoint: bool) -> int:
         """Bytes per token held at the peak of a chunk's (or branch's) backward: every layer's activations, or
@@ -156,6 +169,19 @@ def _tiled_saving(model: torch.nn.Module) -> int:
     return per_token - -(-per_token // tiles)
 
 
+def _query_tiles(model: torch.nn.Module) -> tuple[int, int]:
+    """(query tiles, bytes per token held whole) of the proxy's layer recomputed over query tiles; (1, 0) when it
+    does not tile (models/common/decoder.py: `DecoderLayer.query_tiles`)."""
+    layer = model.decoder_layers[0]
+    tiles = layer.mlp.recompute_tiles
+    if not layer.mixer.tiles_queries or tiles <= 1:
+        return 1, 0
+    dtype = next(model.parameters()).dtype
+    keys = layer.mixer.empty_state(1, dtype, "meta").bytes_per_token
+    acc = torch.promote_types(dtype, torch.float32).itemsize // dtype.itemsize  # their gradients add up in fp32
+    return tiles, (1 + 2 * acc) * keys + model.config.hidden_size * dtype.itemsize
+
+
 def _probe(model: torch.nn.Module, gpu: bool) -> int:
     """Saved bytes per token of a proxy model (`gpu`: the GPU kernels' tensors)."""
     if not gpu:
@@ -177,8 +203,8 @@ def activation_profile(hf_config: dict, lora: dict | None = None, *, gpu: bool =
         single = _proxy(_layers(cfg, 1), lora, dtype)
         one = _probe(single, gpu)
         layer = _probe(_proxy(_layers(cfg, 2), lora, dtype), gpu) - one
-        kinds.append(LayerKind(name, count, layer, _tiled_saving(single)))
+        kinds.append(LayerKind(name, count, layer, _tiled_saving(single), *_query_tiles(single)))
         if has_last:
             saving = max(0, layer - one)
     width = torch.empty(0, dtype=dtype).element_size()
-    return ActivationProfile(tuple(kinds), model_cfg.num_hidden_layers, model_cfg.hidden_size * width, saving)
+    return ActivationProfile(tuple(kinds), model_cfg.num_hidden_layers, model_cfg.hidden_size * width, saving, gpu)

@@ -40,7 +40,7 @@ from ..models.common.moe import MoE
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
-from ..ops.attention import PREFIX_GRAD_ROWS
+from ..ops.attention import grad_rows
 from ..ops.sparse_attention import SCORE_BYTES
 from ..parallel.experts import expert_modules, experts_divide
 from ..train.precision import Offload, Precision, optimizer_bytes
@@ -82,15 +82,19 @@ def flat_profile(hf_config: dict, bytes_per_token: int) -> ActivationProfile:
                              cfg.hidden_size * 2, 0)
 
 
-def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int) -> dict[str, float]:
+def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int, device: str = "cuda"
+                      ) -> dict[str, float]:
     """Per attention layer: the bytes per chunk token of the queries every rank gathers (and its split
     attention keeps, over `ranks` ranks), the bytes of the prefix rows' gradient of the largest such layer (in its
     backward), DSA's candidates per token (top-k positions and scores), the buffers of the attention's backward
-    per gathered query and per own query (the model's dtype is `width` bytes), and how many layers attend."""
+    per gathered query and per own query (the model's dtype is `width` bytes), how many layers attend, and in how
+    many query tiles a recomputed attention layer runs (per-layer checkpointing: the query terms are one tile's)."""
     cfg = meta.config
     states = meta.empty_state(1, torch.float32 if width == 4 else torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
     backward = own_backward = scores = 0
+    tiling = [layer for layer in meta.decoder_layers if layer.mixer.tiles_queries]
+    tiles = tiling[0].mlp.recompute_tiles if tiling else 1
     if cfg.model_type == "glm_moe_dsa":
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         query = cfg.num_attention_heads * row * 2 + cfg.index_n_heads * cfg.index_head_dim * 2
@@ -109,12 +113,12 @@ def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int) -> d
         # made contiguous, the own part's dq, a row block's dq and their sum, the copies that fold rows to the
         # prefix's heads; split over ranks, also every rank's gathered output gradients and outputs
         backward = q_row * (5 + (2 if ranks > 1 else 0))
-    # the prefix rows' gradient comes out PREFIX_GRAD_ROWS rows at a time (ops/attention.py); DSA's goes into
-    # its sink by selected row, counted alike (an upper bound)
-    prefix_grad = max(rows, default=0) * min(tokens_per_rank, PREFIX_GRAD_ROWS)
+    # the prefix rows' gradient comes out `grad_rows` rows at a time on `device` (ops/attention.py); DSA's goes
+    # into its sink by selected row, counted alike (an upper bound)
+    prefix_grad = max(rows, default=0) * min(tokens_per_rank, grad_rows(device))
     return {"query": query, "prefix_grad": prefix_grad, "candidates": candidates,
             "query_backward": backward, "own_query_backward": own_backward, "index_scores": scores,
-            "layers": len(rows)}
+            "layers": len(rows), "query_tiles": tiles}
 
 
 def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
@@ -191,7 +195,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     # what no (chunk, checkpointing) pair changes, counted once
     fixed = {"params": params, "adapters": adapters,
              "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
-             "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2, c),
+             "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2, c,
+                                       "cuda" if profile.gpu else "cpu"),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
              "expert_parallel": ep,
              "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0}
@@ -236,15 +241,18 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
-    chunk_peak = chunk_act + held * attn["query"] * chunk + attn["prefix_grad"] + attn["candidates"] * chunk + \
-        attn["query_backward"] * chunk + attn["own_query_backward"] * block + attn["index_scores"] + \
-        fixed["all_to_all"] * block
+    # a recomputed attention layer gathers and backpropagates one query tile's queries at a time
+    tiles = attn["query_tiles"] if ckpt or by_layer else 1
+    chunk_peak = chunk_act + (held * attn["query"] + attn["query_backward"]) * chunk / tiles + \
+        attn["prefix_grad"] + attn["candidates"] * chunk + attn["own_query_backward"] * block + \
+        attn["index_scores"] + fixed["all_to_all"] * block
     vocab = meta.config.vocab_size
     head = min(head_chunk or default_head_chunk(vocab), response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
-    branch_peak = branch_act + head * vocab * LOGIT_BYTES + held * attn["query"] * response_tokens * c + \
-        attn["query_backward"] * response_tokens * c + attn["own_query_backward"] * response_tokens + \
-        attn["index_scores"] + fixed["all_to_all"] * response_tokens
+    tiles = attn["query_tiles"] if ckpt else 1
+    branch_peak = branch_act + head * vocab * LOGIT_BYTES + \
+        (held * attn["query"] + attn["query_backward"]) * response_tokens * c / tiles + \
+        attn["own_query_backward"] * response_tokens + attn["index_scores"] + fixed["all_to_all"] * response_tokens
     common = model_state["device"] + state
     # the gathered units live while layers run; FSDP reshards them before it reduces the last unit's gradient
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)

@@ -101,9 +101,9 @@ def test_prefix_backward_matches_reference(kernel, h, hkv, n, t, b):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [64, 1499])
 def test_prefix_backward_in_row_blocks_matches_reference(kernel, rows, monkeypatch):
-    """The prefix rows' gradient comes out `PREFIX_GRAD_ROWS` rows at a time (the last block partial): q's
-    gradient summed over the blocks and each block's rows in the sink are the reference's."""
-    monkeypatch.setattr(attention, "PREFIX_GRAD_ROWS", rows)
+    """The prefix rows' gradient comes out `grad_rows` rows at a time (the last block partial): q's gradient
+    summed over the blocks and each block's rows in the sink are the reference's."""
+    monkeypatch.setattr(attention, "PREFIX_GRAD_ROWS_CPU", rows)
     test_prefix_backward_matches_reference(kernel, 4, 2, 1500, 7, 3)
 
 

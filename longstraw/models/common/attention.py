@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...state import AttentionState, Segment
+from ...state import AttentionState, QueryTile, Segment
 from .mixer import TokenMixer
 from .rope import apply_rotary
 
@@ -17,6 +17,8 @@ def _heads(s: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
 class Attention(TokenMixer):
     """q/k/v/o projections with HF names. `qk_norm`: a norm class applied per head to q and k (Qwen3);
     `gated`: q_proj packs [q | gate] per head and the output is multiplied by sigmoid(gate) (Qwen3.5)."""
+
+    tiles_queries = True
 
     def __init__(
         self,
@@ -66,17 +68,33 @@ class Attention(TokenMixer):
         seg.emit(self.layer_idx, self._kv(x, rope))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], seg: Segment) -> torch.Tensor:
+        q, gate = self._queries(x, rope)
+        kv = self._kv(x, rope)
+        seg.emit(self.layer_idx, kv)
+        out = seg.attend(self.layer_idx, q, seg.own_rows(self.layer_idx, kv), self.scale, _heads)
+        return self._output(out, gate)
+
+    def tile_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], own: AttentionState,
+                     tile: QueryTile, seg: Segment) -> torch.Tensor:
+        """The output for a tile of the segment's tokens (x [B, t, hidden] and its rotary): `own` the tile's keys
+        and values, the keys before it in `tile`; emits nothing (models/common/recompute.py)."""
+        q, gate = self._queries(x, rope)
+        return self._output(seg.attend(self.layer_idx, q, own, self.scale, _heads, tile), gate)
+
+    def _queries(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [B, H, T, d] after norm and rotary, and the output gate [B, T, H, d] (gated attention) or None."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, -1)
+        gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
-        q = apply_rotary(q.transpose(1, 2), *rope)
-        kv = self._kv(x, rope)
-        seg.emit(self.layer_idx, kv)
-        out = seg.attend(self.layer_idx, q, seg.own_rows(self.layer_idx, kv), self.scale, _heads)
+        return apply_rotary(q.transpose(1, 2), *rope), gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, -1)
-        if self.gated:
+        if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(out)

@@ -11,7 +11,7 @@ from torch import nn
 from ...state import LayerState, Segment
 from .head import chunked_logprobs, default_head_chunk
 from .mixer import TokenMixer
-from .recompute import recomputed, token_tiled
+from .recompute import query_tiled, recomputed, tile_bounds, token_tiled
 from .rope import Rotary
 
 
@@ -28,11 +28,35 @@ class DecoderLayer(nn.Module):
         return self._block(x, rope, seg)
 
     def _block(self, x: torch.Tensor, rope, seg: Segment) -> torch.Tensor:
+        if bounds := self.query_tiles(x, seg):
+            out, state = query_tiled(self, x, rope, seg, bounds, self._weights(self))
+            seg.emit(self.mixer.layer_idx, state)
+            return out
         x = x + self.mixer(self.input_layernorm(x), rope, seg)
         if not (seg.checkpoint_layers and torch.is_grad_enabled()):
             return x + self._feed_forward(x)
-        weights = [p for m in (self.post_attention_layernorm, self.mlp) for p in m.parameters() if p.requires_grad]
+        weights = self._weights(self.post_attention_layernorm, self.mlp)
         return x + token_tiled(self._feed_forward, x, self.mlp.recompute_tiles, weights)
+
+    @staticmethod
+    def _weights(*modules: nn.Module) -> list[nn.Parameter]:
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
+
+    def query_tiles(self, x: torch.Tensor, seg: Segment) -> list[list[tuple[int, int]]] | None:
+        """Under per-layer checkpointing, every rank's query tiles (`recompute.tile_bounds`) when this layer
+        recomputes itself over tiles of its queries (the mixer can, the MLP tiles), else None. As many tiles as
+        its MLP's recompute tiles: one tile's activations then stay near two of the layer's inputs."""
+        if not (seg.checkpoint_layers and torch.is_grad_enabled() and self.mixer.tiles_queries and seg.cache is None):
+            return None
+        t = x.shape[1]
+        sizes = seg.split.sizes if seg.split is not None else [t] * (seg.parallel.size if seg.across_ranks else 1)
+        return tile_bounds(sizes, self.mlp.recompute_tiles)
+
+    def _tile_block(self, x: torch.Tensor, rope, own, tile, seg: Segment) -> torch.Tensor:
+        """The block's output for a tile of its tokens (x: their input), `own` and `tile` the tile's keys and
+        values and those before it (recompute.py)."""
+        h = x + self.mixer.tile_forward(self.input_layernorm(x), rope, own, tile, seg)
+        return h + self._feed_forward(h)
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(x))
@@ -109,9 +133,10 @@ class CausalLM(nn.Module):
         return x, self.model.rotary_emb(seg.start, input_ids.shape[1], x.dtype, x.device)
 
     @staticmethod
-    def _layer(fn, x: torch.Tensor, rope, seg: Segment):
-        """fn(x, rope, seg), one layer's step: checkpointed when the segment asks for it and autograd records."""
-        if seg.checkpoint_layers and torch.is_grad_enabled():
+    def _layer(fn, x: torch.Tensor, rope, seg: Segment, layer: DecoderLayer | None = None):
+        """fn(x, rope, seg), one layer's step: checkpointed when the segment asks for it and autograd records,
+        unless `layer` (fn's layer, for its output) recomputes itself over query tiles."""
+        if seg.checkpoint_layers and torch.is_grad_enabled() and not (layer and layer.query_tiles(x, seg)):
             return recomputed(fn, x, rope, seg)
         return fn(x, rope, seg)
 
@@ -120,7 +145,7 @@ class CausalLM(nn.Module):
         seg = seg or Segment()
         x, rope = self._start(input_ids, seg)
         for layer in self.model.layers:
-            x = self._layer(layer, x, rope, seg)
+            x = self._layer(layer, x, rope, seg, layer)
         return self.lm_head(self.model.norm(x[:, logits_from:]))
 
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, seg: Segment | None = None,
@@ -134,7 +159,7 @@ class CausalLM(nn.Module):
         seg = seg or Segment()
         x, rope = self._start(input_ids, seg)
         for layer in self.model.layers:
-            x = self._layer(layer, x, rope, seg)
+            x = self._layer(layer, x, rope, seg, layer)
         chunk = default_head_chunk(self.config.vocab_size) if head_chunk is None else head_chunk
         return chunked_logprobs(self._head, x[:, logits_from:], targets, chunk, entropy)
 
@@ -146,7 +171,7 @@ class CausalLM(nn.Module):
         x, rope = self._start(input_ids, seg)
         *layers, last = self.model.layers
         for layer in layers:
-            x, _ = self._layer(layer.capture, x, rope, seg)
+            x, _ = self._layer(layer.capture, x, rope, seg, layer)
         self._layer(last.emit_state, x, rope, seg)
 
     def emit_states_by_layer(self, chunks: list[tuple[torch.Tensor, Segment]], stored: Callable[[int, int], None],

@@ -19,6 +19,9 @@ class TokenMixer(nn.Module, ABC):
 
     layer_idx: int
     reads_other_layers: bool = False  # a DSA layer that reuses an earlier layer's selection (in its segment)
+    # whether a recomputed layer may run it over tiles of its queries: then it has `_kv(x, rope)` (the state it
+    # emits for x) and `tile_forward` (models/common/recompute.py)
+    tiles_queries: bool = False
 
     @abstractmethod
     def empty_state(self, tokens: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:
