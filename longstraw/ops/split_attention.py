@@ -42,7 +42,7 @@ def merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
 class _SplitChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel, lead,
-                lead_grad):
+                lead_grad, block):
         longest, t = max(sizes), q.shape[2]
         hkv = k.shape[1]
         shared = k is v  # absorbed MLA: one latent tensor is both keys and values
@@ -69,14 +69,21 @@ class _SplitChunkAttention(torch.autograd.Function):
         else:
             o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        aux_block = None
+        if block is not None and block[3]:  # the later blocks' queries over this rank's whole block
+            later = torch.tensor(block[3], device=q.device)
+            o_b, l_b, aux_block = _forward(_fold(q_all[later], hkv), block[0], block[1], False, scale, kernel)
+            o_b, l_b = merge_parts(o_p[later], l_p[later], _unfold(o_b, len(later), q.shape[1]),
+                                   _unfold(l_b, len(later), q.shape[1]))
+            o_p, l_p = o_p.index_copy(0, later, o_b), l_p.index_copy(0, later, l_b)
         o_p, l_p = merge_ranks(group.exchange_split(o_p), group.exchange_split(l_p))
         o, lse = merge_parts(o_p[:, :, :t], l_p[:, :, :t], o, lse)
         # the earlier blocks' K/V, gathered here, are saved too: per-layer checkpointing then drops them until the
         # backward, as it drops the rest (an attribute of ctx would stay alive with every layer's graph)
         ctx.save_for_backward(q, k, v, o, lse, q_all, ke, ve)
-        ctx.lead, ctx.lead_grad = lead, lead_grad  # constants to autograd, as the prefix
+        ctx.lead, ctx.lead_grad, ctx.block = lead, lead_grad, block  # constants to autograd, as the prefix
         ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
-        ctx.aux = (aux_own, aux_early, aux_pre, aux_lead)
+        ctx.aux = (aux_own, aux_early, aux_pre, aux_lead, aux_block)
         ctx.scale, ctx.sizes, ctx.earlier, ctx.group, ctx.kernel, ctx.shared = (scale, sizes, earlier, group,
                                                                                  kernel, shared)
         return o
@@ -85,7 +92,7 @@ class _SplitChunkAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, q_all, ke, ve = ctx.saved_tensors
         (pk, pv), (gk, gv) = ctx.prefix, ctx.grads
-        aux_own, aux_early, aux_pre, aux_lead = ctx.aux
+        aux_own, aux_early, aux_pre, aux_lead, aux_block = ctx.aux
         group, sizes, scale, kernel = ctx.group, ctx.sizes, ctx.scale, ctx.kernel
         c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]
         do = do.contiguous()
@@ -112,22 +119,28 @@ class _SplitChunkAttention(torch.autograd.Function):
         do_all = group.gather_padded(do, longest, dim=2)
         o_all = group.gather_padded(o, longest, dim=2)
         lse_all = group.gather_padded(lse, longest, dim=2)
+        f = lambda x: _fold(x, hkv)  # noqa: E731
         if pk.shape[1]:
-            f = lambda x: _fold(x, hkv)  # noqa: E731
             # shared keys and values have one sink: both add into it
             dq_p = prefix_part_backward(f(do_all), f(q_all), pk, pv, f(o_all), f(lse_all), scale, kernel, aux_pre,
                                         None if gk is None else (gk, gv))
             dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)
+        if ctx.block is not None and ctx.block[3]:
+            bk, bv, sinks, ranks = ctx.block
+            later = torch.tensor(ranks, device=q.device)
+            dq_b = unmasked_part_backward(f(do_all[later]), f(q_all[later]), bk, bv, f(o_all[later]),
+                                          f(lse_all[later]), scale, kernel, aux_block, sinks)
+            dq_p.index_add_(0, later, _unfold(dq_b, len(ranks), h))
         dq = dq + sum(group.exchange_split(dq_p)).narrow(2, 0, t)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: tuple[Tensor, Tensor],
                           prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int] | None,
                           group: SequenceGroup, kernel: str = "auto", lead: tuple[Tensor, Tensor] | None = None,
-                          lead_grad: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                          lead_grad: tuple[Tensor, Tensor] | None = None, block: tuple | None = None) -> Tensor:
     """Attention of this rank's queries over the sharded prefix and their own keys, every rank's queries visiting
     every rank's rows: `sizes` are the ranks' query counts, `prefix` this rank's rows; with `prefix_grad` (exact
     mode) the backward adds their gradient into it. Shared keys and values (absorbed MLA) are passed as the same
@@ -139,11 +152,15 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix:
 
     `lead`: keys and values [B, Hkv, L, d] on this rank that every query of it sees (a query tile's own tokens
     before it, and the earlier blocks' as its layer gathered them), constant to autograd like the prefix: the
-    backward adds their gradient into `lead_grad`, if given."""
+    backward adds their gradient into `lead_grad`, if given.
+
+    `block`: (keys, values [1, Hkv, T, d], their gradient's sinks or None, ranks): this rank's whole block of a
+    split chunk, which the queries of those ranks (the blocks after it) see. A query tile passes it instead of
+    `earlier`: the later blocks' queries come here, like the prefix's, and the block's keys stay."""
     if lead is not None and k is v:
         raise ValueError("lead keys are for separate keys and values (not absorbed MLA's shared latent)")
     if earlier is not None and q.shape[0] != 1:
         raise ValueError("the blocks of a prompt chunk run with batch 1")
     gk, gv = prefix_grad if prefix_grad is not None else (None, None)
     return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel,
-                                      lead, lead_grad)
+                                      lead, lead_grad, block)

@@ -110,18 +110,27 @@ class ChunkSplit:
         mine = self.blocks[self.group.rank][0]
         return [r for r in self.order if self.blocks[r][0] < mine]
 
+    @property
+    def later(self) -> list[int]:
+        """The ranks whose blocks follow this rank's, in position order."""
+        mine = self.blocks[self.group.rank][0]
+        return [r for r in self.order if self.blocks[r][0] > mine]
+
 
 @dataclass(frozen=True)
 class QueryTile:
     """Some consecutive queries of a segment's own tokens that attend on their own (a tile of a recomputed layer,
-    models/common/recompute.py): `lead` are the keys and values [B, Hkv, L, d] they see besides the prefix and
-    their own tokens (the segment's tokens before the tile; on a split chunk, the earlier blocks' too), constant
-    to autograd: the backward adds their gradient into `lead_grad` if given; `sizes` every rank's tile length
-    when the queries meet every rank's rows."""
+    models/common/recompute.py): `lead` are the keys and values [B, Hkv, L, d] of the segment's tokens before the
+    tile, which they see besides the prefix and their own; on a split chunk, `block` are the keys and values of
+    this rank's whole block, which the later blocks' tiles see (the earlier blocks' reach this tile the same way,
+    on their ranks). Both are constant to autograd: the backward adds their gradient into `lead_grad` and
+    `block_grad` if given. `sizes`: every rank's tile length when the queries meet every rank's rows."""
 
     lead: tuple[Tensor, Tensor] | None
     sizes: list[int]
     lead_grad: tuple[Tensor, Tensor] | None = None
+    block: tuple[Tensor, Tensor] | None = None
+    block_grad: tuple[Tensor, Tensor] | None = None
 
 
 class Segment:
@@ -208,15 +217,18 @@ class Segment:
         if self.across_ranks:
             group = self.parallel
             sink = self.prefix_grad(layer)
-            if tile is not None:  # the earlier blocks' keys are in the tile's lead
+            block = None
+            if tile is not None:  # the earlier blocks' keys come with their ranks' attention of these queries
                 sizes, earlier = tile.sizes, None
+                if self.split is not None:
+                    block = (*tile.block, tile.block_grad, self.split.later)
             elif self.split is not None:
                 sizes, earlier = self.split.sizes, self.split.earlier
             else:
                 sizes, earlier = [q.shape[2]] * group.size, None
             return split_chunk_attention(q, k, v, scale, heads(self._visible(self.prefix.layers[layer])),
                                          None if sink is None else heads(sink), sizes, earlier, group, lead=lead,
-                                         lead_grad=lead_grad)
+                                         lead_grad=lead_grad, block=block)
         rows = self.prefix_rows(layer)
         prefix = None if rows is None else heads(rows)
         if self.cache is not None:

@@ -38,8 +38,7 @@ class LayerKind:
     bytes_per_token: int  # one layer of this kind, autograd-saved (GPU kernels' tensors)
     tiled_saving: int = 0  # what it holds less when recomputed: its MLP in token tiles (models/common/recompute.py)
     # an attention layer recomputed over this many query tiles (recompute.py) holds one tile's share of its bytes,
-    # and for all its tokens `tiled_whole` per token: keys and values, their gradients and the copy of the emitted
-    # ones' it adds into, its input's gradient
+    # and for all its tokens `tiled_whole` per token: keys and values, their gradients (fp32), its input's gradient
     query_tiles: int = 1
     tiled_whole: int = 0
 
@@ -179,7 +178,7 @@ def _query_tiles(model: torch.nn.Module) -> tuple[int, int]:
     dtype = next(model.parameters()).dtype
     keys = layer.mixer.empty_state(1, dtype, "meta").bytes_per_token
     acc = torch.promote_types(dtype, torch.float32).itemsize // dtype.itemsize  # their gradients add up in fp32
-    return tiles, (1 + 2 * acc) * keys + model.config.hidden_size * dtype.itemsize
+    return tiles, (1 + acc) * keys + model.config.hidden_size * dtype.itemsize
 
 
 def _probe(model: torch.nn.Module, gpu: bool) -> int:

@@ -26,7 +26,6 @@ from typing import TypeVar
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from ...parallel.sequence import pad_to
 from ...state import AttentionState, QueryTile, Segment
 
 Out = TypeVar("Out")
@@ -113,12 +112,11 @@ class _QueryTiles(torch.autograd.Function):
     """The layer's keys and values are computed for all its tokens (tile by tile: the normed input never exists
     whole), then each tile of queries (with the MLP after its attention) runs on its own over the prefix, the keys
     before the tile and its own. So the backward holds one tile's activations at a time besides the layer's keys
-    and values and their gradients, which gather over the tiles and go back through the key/value projections at
-    the end, again tile by tile. The weights' gradients add into `.grad` tile by tile (as `_TokenTiles`).
-
-    On a split chunk the earlier blocks' keys and values are gathered once per pass (forward, and again in the
-    backward), and their gradient goes back to their owners once, after the last tile: every rank makes the same
-    collectives in the same order."""
+    and values and their gradients, which gather over the tiles (the keys before a tile and, on a split chunk,
+    this block's for the later blocks' queries, add theirs in row blocks) and go back through the key/value
+    projections at the end, again tile by tile. The weights' gradients add into `.grad` tile by tile (as
+    `_TokenTiles`). On a split chunk the ranks run their tiles together: tile i's queries of every rank visit
+    every rank's prefix rows and the blocks before theirs, so the keys never move."""
 
     @staticmethod
     def forward(ctx, x, layer, rope, seg, bounds, *params):
@@ -126,13 +124,9 @@ class _QueryTiles(torch.autograd.Function):
         ctx.save_for_backward(x)
         tiles = _mine(bounds, seg)
         k, v = _keys(layer, x, rope, tiles)
-        (k_all, v_all), early = _with_earlier(k, v, seg)
         out = torch.empty_like(x)
         for i, (s, e) in enumerate(tiles):
-            a, b = early + s, early + e
-            lead = (k_all[:, :, :a], v_all[:, :, :a]) if a else None
-            out[:, s:e] = _tile(layer, x[:, s:e], (k_all[:, :, a:b], v_all[:, :, a:b]), lead, None, bounds, i,
-                                rope, seg)
+            out[:, s:e] = _tile(layer, x[:, s:e], (k[:, :, s:e], v[:, :, s:e]), (k, v), None, bounds, i, rope, seg)
         return out, k, v
 
     @staticmethod
@@ -141,37 +135,30 @@ class _QueryTiles(torch.autograd.Function):
         layer, rope, seg, bounds = ctx.layer, ctx.rope, ctx.seg, ctx.bounds
         want_dx = ctx.needs_input_grad[0]
         tiles = _mine(bounds, seg)
-        (k_all, v_all), early = _with_earlier(*_keys(layer, x, rope, tiles), seg)
+        k, v = _keys(layer, x, rope, tiles)
         dx = torch.zeros_like(x) if want_dx else None
-        # the keys' gradients add up over the tiles (in fp32 for half types), the earlier blocks' first
-        acc = torch.promote_types(k_all.dtype, torch.float32)
-        dkv = (torch.zeros_like(k_all, dtype=acc), torch.zeros_like(v_all, dtype=acc))
-        for d, g in zip(dkv, (dk_emitted, dv_emitted)):
-            _add(d, early, g)
+        # the keys' gradients add up over the tiles, in fp32 for half types
+        acc = torch.promote_types(k.dtype, torch.float32)
+        dkv = tuple(torch.zeros_like(t, dtype=acc) if g is None else g.to(acc, copy=True)
+                    for t, g in ((k, dk_emitted), (v, dv_emitted)))
         for i, (s, e) in reversed(list(enumerate(tiles))):
-            a, b = early + s, early + e
             with torch.enable_grad():
                 x_t = x[:, s:e].detach().requires_grad_(want_dx)
-                own = tuple(t[:, :, a:b].detach().requires_grad_() for t in (k_all, v_all))
-                lead = (k_all[:, :, :a], v_all[:, :, :a]) if a else None  # their gradient goes into dkv
-                out = _tile(layer, x_t, own, lead, tuple(d[:, :, :a] for d in dkv), bounds, i, rope, seg)
+                own = (k[:, :, s:e].detach().requires_grad_(), v[:, :, s:e].detach().requires_grad_())
+                out = _tile(layer, x_t, own, (k, v), dkv, bounds, i, rope, seg)
                 if out.requires_grad:
                     torch.autograd.backward(out, dy[:, s:e])
             if want_dx and x_t.grad is not None:
                 dx[:, s:e].add_(x_t.grad)
             for d, o in zip(dkv, own):
-                _add(d, a, o.grad, b)
+                if o.grad is not None:
+                    d[:, :, s:e].add_(o.grad)
             del out, own
-        if seg.split is not None:  # the earlier blocks' share of the gradient to their owners, this block's back
-            mine = _to_owners(*(d[:, :, :early] if early else None for d in dkv), k_all, v_all, early, seg)
-            for d, m in zip(dkv, mine):
-                _add(d, early, m)
         for s, e in tiles:  # the keys' and values' gradients through their projections and the input norm
             with torch.enable_grad():
                 x_t = x[:, s:e].detach().requires_grad_(want_dx)
                 kv = layer.mixer._kv(layer.input_layernorm(x_t), _rows(rope, s, e))
-                live = [(o, d[:, :, early + s:early + e].to(o.dtype)) for o, d in zip((kv.k, kv.v), dkv)
-                        if o.requires_grad]
+                live = [(o, d[:, :, s:e].to(o.dtype)) for o, d in zip((kv.k, kv.v), dkv) if o.requires_grad]
                 if live:
                     torch.autograd.backward(*map(list, zip(*live)))
             if want_dx and x_t.grad is not None:
@@ -180,12 +167,6 @@ class _QueryTiles(torch.autograd.Function):
         # keep the chunk's emitted state alive until the garbage collector runs
         ctx.seg = ctx.layer = ctx.rope = None
         return dx, None, None, None, None, *(None for _ in ctx.needs_input_grad[5:])
-
-
-def _add(into: torch.Tensor, start: int, grad: torch.Tensor | None, end: int | None = None) -> None:
-    """into[:, :, start:end] += grad (keys' rows on dim 2), when there is a gradient."""
-    if grad is not None:
-        into[:, :, start:end].add_(grad)
 
 
 def _mine(bounds: list[list[tuple[int, int]]], seg: Segment) -> list[tuple[int, int]]:
@@ -203,40 +184,12 @@ def _keys(layer, x: torch.Tensor, rope: tuple, tiles: list[tuple[int, int]]) -> 
     return torch.cat([p.k for p in parts], dim=2), torch.cat([p.v for p in parts], dim=2)
 
 
-def _tile(layer, x, own, lead, lead_grad, bounds, i, rope, seg) -> torch.Tensor:
-    """Tile i's output, given its input x, its keys and values `own` and those its queries see before them
-    (`lead`: the earlier blocks' and the block's tokens before the tile; None for none) with the sinks for their
-    gradient (`lead_grad`)."""
+def _tile(layer, x, own, keys, sinks, bounds, i, rope, seg) -> torch.Tensor:
+    """Tile i's output, given its input x, its keys and values `own`, the layer's (`keys`) and the sinks for their
+    gradient (`sinks`, None in the forward): the tile's queries see those before it, and on a split chunk the
+    later blocks' queries see all of them."""
     s, e = _mine(bounds, seg)[i]
-    tile = QueryTile(lead, [rank[i][1] - rank[i][0] for rank in bounds], lead_grad if lead else None)
+    lead = tuple(t[:, :, :s] for t in keys) if s else None
+    lead_grad = tuple(t[:, :, :s] for t in sinks) if s and sinks else None
+    tile = QueryTile(lead, [rank[i][1] - rank[i][0] for rank in bounds], lead_grad, keys, sinks)
     return layer._tile_block(x, _rows(rope, s, e), AttentionState(*own), tile, seg)
-
-
-def _with_earlier(k: torch.Tensor, v: torch.Tensor, seg: Segment) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-    """((keys, values) of the earlier blocks of a split chunk (gathered: a collective every rank makes) followed
-    by this block's, how many rows are the earlier blocks'); elsewhere ((k, v), 0)."""
-    if seg.split is None:
-        return (k, v), 0
-    blocks = seg.split.group.gather_blocks(torch.cat([k, v], dim=-1), seg.split.sizes, dim=2)
-    earlier = [blocks[r] for r in seg.split.earlier]
-    if not earlier:
-        return (k, v), 0
-    w = k.shape[-1]
-    both = (torch.cat([b[..., :w] for b in earlier] + [k], dim=2), torch.cat([b[..., w:] for b in earlier] + [v], dim=2))
-    return both, both[0].shape[2] - k.shape[2]
-
-
-def _to_owners(dk: torch.Tensor | None, dv: torch.Tensor | None, k_all: torch.Tensor, v_all: torch.Tensor,
-               early: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-    """The earlier blocks' gradients (dk, dv over their rows in position order; None when none) sent to their
-    owners; returns this rank's block's share from the later blocks (every rank calls it: an all-to-all)."""
-    split = seg.split
-    sizes, longest, w = split.sizes, max(split.sizes), k_all.shape[-1]
-    zeros = k_all.new_zeros(k_all.shape[0], k_all.shape[1], longest, w + v_all.shape[-1])
-    back = [zeros] * len(sizes)
-    if dk is not None:
-        both = torch.cat([dk, dv], dim=-1).to(k_all.dtype)
-        for r, part in zip(split.earlier, both.split([sizes[r] for r in split.earlier], dim=2)):
-            back[r] = pad_to(part, longest, dim=2)
-    mine = sum(split.group.exchange(back)).narrow(2, 0, k_all.shape[2] - early)
-    return mine[..., :w], mine[..., w:]
