@@ -14,7 +14,9 @@ gradient stays with them (added into the dState sink in exact mode), and each ra
 dq goes back to them. Every rank makes the same collectives in the same order, forward and backward.
 
 The same serves independent sequences of one length on each rank (the branches the ranks of a group replay
-apart): no earlier blocks, any batch.
+apart): no earlier blocks, any batch. And a query tile of a recomputed layer (models/common/recompute.py): the
+block's keys before the tile come as `lead`; the earlier blocks' keys do not move, the later blocks' tile queries
+visit this rank's whole block as they visit its prefix rows (`block`).
 
 Shapes: q [B, H, t, d]; k, v [B, Hkv, t, d]; prefix k, v [Hkv, N, d] (this rank's rows; N may be 0).
 """
@@ -150,9 +152,9 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix:
     order), whose keys the queries see too; None for independent sequences, such as the branches each rank
     replays (any batch, the same on every rank).
 
-    `lead`: keys and values [B, Hkv, L, d] on this rank that every query of it sees (a query tile's own tokens
-    before it, and the earlier blocks' as its layer gathered them), constant to autograd like the prefix: the
-    backward adds their gradient into `lead_grad`, if given.
+    `lead`: keys and values [B, Hkv, L, d] on this rank that every query of it sees (a query tile's block's tokens
+    before it), constant to autograd like the prefix: the backward adds their gradient into `lead_grad`, if
+    given.
 
     `block`: (keys, values [1, Hkv, T, d], their gradient's sinks or None, ranks): this rank's whole block of a
     split chunk, which the queries of those ranks (the blocks after it) see. A query tile passes it instead of

@@ -170,10 +170,10 @@ def _tiled_saving(model: torch.nn.Module) -> int:
 
 def _query_tiles(model: torch.nn.Module) -> tuple[int, int]:
     """(query tiles, bytes per token held whole) of the proxy's layer recomputed over query tiles; (1, 0) when it
-    does not tile (models/common/decoder.py: `DecoderLayer.query_tiles`)."""
+    does not tile (`DecoderLayer.query_tile_count`)."""
     layer = model.decoder_layers[0]
-    tiles = layer.mlp.recompute_tiles
-    if not layer.mixer.tiles_queries or tiles <= 1:
+    tiles = layer.query_tile_count
+    if tiles <= 1:
         return 1, 0
     dtype = next(model.parameters()).dtype
     keys = layer.mixer.empty_state(1, dtype, "meta").bytes_per_token

@@ -93,8 +93,7 @@ def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int, devi
     states = meta.empty_state(1, torch.float32 if width == 4 else torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
     backward = own_backward = scores = 0
-    tiling = [layer for layer in meta.decoder_layers if layer.mixer.tiles_queries]
-    tiles = tiling[0].mlp.recompute_tiles if tiling else 1
+    tiles = max(layer.query_tile_count for layer in meta.decoder_layers)
     if cfg.model_type == "glm_moe_dsa":
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         query = cfg.num_attention_heads * row * 2 + cfg.index_n_heads * cfg.index_head_dim * 2

@@ -42,15 +42,20 @@ class DecoderLayer(nn.Module):
     def _weights(*modules: nn.Module) -> list[nn.Parameter]:
         return [p for m in modules for p in m.parameters() if p.requires_grad]
 
+    @property
+    def query_tile_count(self) -> int:
+        """How many query tiles this layer recomputes over (1: it recomputes whole): as many as its MLP's
+        recompute tiles, when its mixer can (one tile's activations then stay near two of the layer's inputs)."""
+        return self.mlp.recompute_tiles if self.mixer.tiles_queries else 1
+
     def query_tiles(self, x: torch.Tensor, seg: Segment) -> list[list[tuple[int, int]]] | None:
         """Under per-layer checkpointing, every rank's query tiles (`recompute.tile_bounds`) when this layer
-        recomputes itself over tiles of its queries (the mixer can, the MLP tiles), else None. As many tiles as
-        its MLP's recompute tiles: one tile's activations then stay near two of the layer's inputs."""
-        if not (seg.checkpoint_layers and torch.is_grad_enabled() and self.mixer.tiles_queries and seg.cache is None):
+        recomputes itself over tiles of its queries, else None."""
+        if not (seg.checkpoint_layers and torch.is_grad_enabled() and seg.cache is None):
             return None
         t = x.shape[1]
         sizes = seg.split.sizes if seg.split is not None else [t] * (seg.parallel.size if seg.across_ranks else 1)
-        return tile_bounds(sizes, self.mlp.recompute_tiles)
+        return tile_bounds(sizes, self.query_tile_count)
 
     def _tile_block(self, x: torch.Tensor, rope, own, tile, seg: Segment) -> torch.Tensor:
         """The block's output for a tile of its tokens (x: their input), `own` and `tile` the tile's keys and
