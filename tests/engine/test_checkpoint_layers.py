@@ -91,7 +91,7 @@ def test_auto_follows_free_memory(monkeypatch):
 
 def _recompute_peak(tiles: int | None, tokens: int, intermediate: int) -> int:
     """The most bytes alive at once (weights left out) in a forward and backward of checkpointed layers over
-    `tokens` tokens, their MLPs recomputed in `tiles` token tiles (None: the model's own choice)."""
+    `tokens` tokens, recomputed in `tiles` query tiles (1: whole; None: the model's own choice)."""
     model = tiny_model("qwen3", intermediate_size=intermediate)
     if tiles is not None:
         for layer in model.decoder_layers:
@@ -110,9 +110,9 @@ def _recompute_peak(tiles: int | None, tokens: int, intermediate: int) -> int:
     return live.peak
 
 
-def test_mlp_tiles_lower_the_recompute_peak():
-    """A recomputed layer runs its MLP in token tiles (3 x intermediate / hidden of them): its backward never holds
-    the chunk's MLP activations (about six tensors of tokens x intermediate) at once."""
+def test_query_tiles_lower_the_recompute_peak():
+    """A recomputed attention layer runs over query tiles (3 x intermediate / hidden of them): its backward never
+    holds the chunk's MLP activations (about six tensors of tokens x intermediate) at once."""
     tokens, intermediate = 256, 512
     assert tiny_model("qwen3", intermediate_size=intermediate).decoder_layers[0].mlp.recompute_tiles == 24
     whole = _recompute_peak(1, tokens, intermediate)
