@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.sequence import ONE_RANK, SequenceGroup
+from .fp32_matmul import matmul_fp32
 
 Tensor = torch.Tensor
 _BLOCK = 1024
@@ -63,7 +64,10 @@ def choose_kernel(device_type: str, dtype: torch.dtype, qk_dim: int, v_dim: int)
 def _kernel(kernel: str, q: Tensor, v: Tensor) -> str:
     if kernel == "auto":
         return choose_kernel(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
-    return "cpu_flash" if kernel == "flash" else kernel
+    kind = "cpu_flash" if kernel == "flash" else kernel
+    if kind not in KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} unknown; choose auto, flash (= cpu_flash) or one of {KERNELS}")
+    return kind
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -72,7 +76,8 @@ def _kernel(kernel: str, q: Tensor, v: Tensor) -> str:
 
 
 def part_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, kernel: str = "auto"):
-    """(out, lse [B, H, T] fp32) of q [B, H, T, d] over k, v [B, Hkv, S, d] (H a multiple of Hkv)."""
+    """(out, lse [B, H, T] fp32) of q [B, H, T, d] over k, v [B, Hkv, S, d] (H a multiple of Hkv). A row that sees no
+    key has out 0 and lse -inf, whichever the kernel; a causal part has as many keys as queries."""
     o, lse, _ = _forward(q, k, v, causal, scale, kernel)
     return o, lse
 
@@ -80,23 +85,19 @@ def part_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ke
 def part_backward(do, q, k, v, o, lse, causal: bool, scale: float, kernel: str = "auto", aux=None):
     """(dq, dk, dv) of one part, given the merged output and log-sum-exp (the same identity as a ring's)."""
     kind = _kernel(kernel, q, v)
+    _check_part(q, k, causal)
+    if k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kind == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, o, lse, 0.0, causal, scale=scale)
     if kind == "torch":
         return _torch_backward(do, q, k, v, o, lse, causal, scale)
-    g = q.shape[1] // k.shape[1]
-    ke, ve = _expand(k, g), _expand(v, g)
-    if kind == "cuda_flash":
+    if kind == "cuda_flash":  # grouped heads as they are: the kernel sums each group's dK/dV itself
         cq, ck, mq, mk, rng, unused = aux
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, ke, ve, o, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
-    else:  # cuda_efficient: its log-sum-exp is padded to a multiple of 32 rows
-        seed, offset, rows = aux
-        padded = F.pad(lse, (0, rows - lse.shape[-1]))
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, ke, ve, None, o, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
-    return dq, _fold_heads(dk, g), _fold_heads(dv, g)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
+    return _efficient_backward(do, q, k, v, o, lse, causal, scale, aux)
 
 
 def prefix_part_backward(do: Tensor, q: Tensor, pk: Tensor, pv: Tensor, o: Tensor, lse: Tensor, scale: float,
@@ -136,27 +137,70 @@ def _block_aux(aux, keys: int):
 
 def _forward(q, k, v, causal, scale, kernel):
     kind = _kernel(kernel, q, v)
+    _check_part(q, k, causal)
+    if k.shape[2] == 0:  # no key to see: FlashAttention-2 would give lse +inf, the blocked path 0/0
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), lse, None
     if kind == "cpu_flash":
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return o, lse, None
     if kind == "torch":
         return (*_torch_forward(q, k, v, causal, scale), None)
-    g = q.shape[1] // k.shape[1]
-    ke, ve = _expand(k, g), _expand(v, g)
-    if kind == "cuda_flash":
+    if kind == "cuda_flash":  # takes grouped heads (H a multiple of Hkv) as they are
         o, lse, cq, ck, mq, mk, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, ke, ve, 0.0, causal, False, scale=scale)
+            q, k, v, 0.0, causal, False, scale=scale)
         return o, lse, (cq, ck, mq, mk, rng, unused)
-    if kind == "cuda_efficient":
-        o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, ke, ve, None, True, 0.0, causal, scale=scale)
-        return o, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])
-    raise ValueError(f"attention kernel {kernel!r} unknown; choose auto, flash (= cpu_flash) or one of {KERNELS}")
+    return _efficient_forward(q, k, v, causal, scale)
+
+
+def _check_part(q: Tensor, k: Tensor, causal: bool) -> None:
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"a causal attention part takes as many keys as queries (got {q.shape[2]} queries, "
+                         f"{k.shape[2]} keys): the kernels align such a mask differently (FlashAttention-2 to the "
+                         "last key, the others to the first); pass the keys before the queries as an unmasked part")
+
+
+# The memory-efficient kernel takes as many key heads as query heads. Where no mask tells a group's query rows
+# apart (every part but a segment's own causal one) the queries fold to their key head instead (`_group`: g x T rows
+# per key head), so the keys are never repeated; a causal part (the segment's own tokens, short) repeats them.
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    if g > 1 and causal:
+        k, v = _expand(k, g), _expand(v, g)
+    qf = _group(q, k.shape[1])[0]
+    o, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qf, k, v, None, True, 0.0, causal, scale=scale)
+    # its log-sum-exp is padded to a multiple of 32 rows, which the backward reads
+    rows = lse.shape[-1]
+    return o.reshape(b, h, t, -1), lse[..., : qf.shape[2]].reshape(b, h, t), (seed, offset, rows)
+
+
+def _efficient_backward(do, q, k, v, o, lse, causal, scale, aux):
+    seed, offset, rows = aux
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    ke, ve = (_expand(k, g), _expand(v, g)) if g > 1 and causal else (k, v)
+    hq = ke.shape[1]
+    qf, dof = q.reshape(b, hq, -1, q.shape[-1]), do.reshape(b, hq, -1, do.shape[-1])
+    of = o.reshape(b, hq, -1, o.shape[-1])
+    if of.dtype != torch.float32:
+        # the half kernels read the output's rows at the forward's stride (heads x width): its [B, T, H, d] layout
+        of = of.transpose(1, 2).contiguous().transpose(1, 2)
+    # the padding rows +inf as the forward writes them: the kernel reads whole blocks of 32 rows without bounds
+    padded = F.pad(lse.reshape(b, hq, -1), (0, rows - qf.shape[2]), value=float("inf"))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dof, qf, ke, ve, None, of, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    if hq != k.shape[1]:
+        dk, dv = _fold_heads(dk, g), _fold_heads(dv, g)
+    return dq.reshape(q.shape), dk, dv
 
 
 def _expand(x: Tensor, g: int) -> Tensor:
-    """[B, Hkv, S, d] -> [B, Hkv * g, S, d]: the CUDA kernels take as many key heads as query heads (segments are
-    short; the shared prefix is folded to one query head group per key head instead, see `_fold`)."""
+    """[B, Hkv, S, d] -> [B, Hkv * g, S, d]: a key head for every query head (the memory-efficient kernel's causal
+    parts)."""
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
@@ -176,8 +220,16 @@ def _group(q: Tensor, hkv: int) -> tuple[Tensor, Tensor]:
     return q.reshape(b, hkv, g * t, d), torch.arange(t, device=q.device).repeat(g)
 
 
+def _products(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with broadcast leading dims, in the accumulation dtype: half operands' products summed in fp32 and
+    kept fp32 (a bf16 result would round every score to 8 bits before the softmax, and decode's log-probs would
+    drift from replay's)."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return matmul_fp32(a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])).to(_acc(a))
+
+
 def _scores(qg, kb, qpos, start, causal, scale):
-    s = torch.matmul(qg, kb.transpose(-1, -2)).to(_acc(qg)) * scale
+    s = _products(qg, kb.transpose(-1, -2)) * scale
     if causal:
         kpos = torch.arange(start, start + kb.shape[-2], device=kb.device)
         s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
@@ -345,9 +397,9 @@ def segment_attention(
 def _masked_part(q: Tensor, k: Tensor, v: Tensor, scale: float, visible: Tensor) -> tuple[Tensor, Tensor]:
     """(out, lse) of q [B, H, 1, d] over the first `visible` rows (a 0-dim device tensor) of k/v [B, Hkv, L, d]:
     the static decode's own tokens, a fixed-size buffer whose later rows are masked out. Short (L <= the new
-    tokens), so plain products in the accumulation dtype."""
+    tokens), so not blocked; fp32 scores, as the blocked path's."""
     qg, _ = _group(q, k.shape[1])
-    s = torch.matmul(qg, k.transpose(-1, -2)).to(_acc(q)) * scale
+    s = _products(qg, k.transpose(-1, -2)) * scale
     s = s.masked_fill(torch.arange(k.shape[2], device=k.device) >= visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.matmul(torch.exp(s - lse[..., None]), v.to(s.dtype))

@@ -20,6 +20,7 @@ import torch
 
 from ..parallel.sequence import ONE_RANK, SequenceGroup
 from .attention import merge_parts
+from .fp32_matmul import matmul_fp32, operand_dtype
 
 Tensor = torch.Tensor
 KEY_BLOCK = 4096  # the most prefix keys scored at once
@@ -32,8 +33,9 @@ def key_block(queries: Tensor, ranks: int = 1) -> int:
     """Prefix keys per block of the index scores: KEY_BLOCK, fewer when a block's per-head scores of `queries`
     [..., H, D] (of `ranks` ranks, gathered) would pass SCORE_BYTES. The indexer scores every query head over the
     block before it weights and sums them: at GLM-5's 32 index heads, 32 ranks' 1024-token branches in blocks of
-    4096 keys would hold 8.6 GB of scores. The selection does not depend on the block size."""
-    per_key = queries[..., 0].numel() * ranks * queries.element_size()
+    4096 keys would hold 8.6 GB of scores. The scores are fp32 (wider for fp64 queries) whatever the queries'
+    dtype. The selection does not depend on the block size."""
+    per_key = queries[..., 0].numel() * ranks * torch.promote_types(queries.dtype, torch.float32).itemsize
     return max(1, min(KEY_BLOCK, SCORE_BYTES // max(per_key, 1)))
 
 
@@ -115,19 +117,18 @@ def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     s = s.masked_fill(~keep, NEG)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    return torch.einsum("bthk,btkd->bthd", p, values), lse
+    return matmul_fp32(p.to(operand_dtype(values)), values), lse
 
 
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, row_positions, parallel):
-        acc = torch.promote_types(q.dtype, torch.float32)
         parts = {"pre": [], "own": []}
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
             keys, in_prefix, mine, _ = _where_rows(prefix, own, pos[:, sl], n, row_positions)
-            keys = keys.to(acc)
-            s = torch.einsum("bthd,btkd->bthk", q[:, sl].to(acc), keys) * scale
+            keys = keys.to(operand_dtype(keys))  # bf16 products into fp32 on CUDA, else upcast once here
+            s = matmul_fp32(q[:, sl], keys.transpose(-1, -2)) * scale
             vb = valid[:, sl, None, :]
             parts["pre"].append(_partial(s, vb & mine[:, :, None], keys[..., :vdim]))
             parts["own"].append(_partial(s, vb & ~in_prefix[:, :, None], keys[..., :vdim]))
@@ -152,19 +153,20 @@ class _SparseLatentAttention(torch.autograd.Function):
             sl = slice(t0, t0 + QUERY_BLOCK)
             pb = pos[:, sl]
             keys, in_prefix, mine, local = _where_rows(prefix, own, pb, n, ctx.row_positions)
-            keys = keys.to(acc)
-            qb, do = q[:, sl].to(acc), dout[:, sl].to(acc)
-            s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
+            keys = keys.to(operand_dtype(keys))
+            qb, do = q[:, sl].to(operand_dtype(q)), dout[:, sl].to(operand_dtype(dout))
+            s = matmul_fp32(qb, keys.transpose(-1, -2)) * scale
             keep = valid[:, sl, None, :] & (mine | ~in_prefix)[:, :, None]
             # the softmax of the merged output (all ranks' rows and the own ones): this rank's entries of it
             p = torch.exp(s.masked_fill(~keep, NEG) - lse[:, sl, :, None])
-            dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
-            delta = (do * out[:, sl].to(acc)).sum(-1, keepdim=True)
+            dp = matmul_fp32(do, keys[..., :vdim].transpose(-1, -2))
+            delta = (do.to(acc) * out[:, sl].to(acc)).sum(-1, keepdim=True)
             ds = p * (dp - delta) * scale
-            dq_pre[:, sl] = torch.einsum("bthk,btkd->bthd", ds * mine[:, :, None], keys)
-            dq_own[:, sl] = torch.einsum("bthk,btkd->bthd", ds * ~in_prefix[:, :, None], keys)
-            dkeys = torch.einsum("bthk,bthd->btkd", ds, qb)
-            dkeys[..., :vdim] += torch.einsum("bthk,bthd->btkd", p, do)
+            dsk = ds.to(keys.dtype)
+            dq_pre[:, sl] = matmul_fp32(dsk * mine[:, :, None], keys)
+            dq_own[:, sl] = matmul_fp32(dsk * ~in_prefix[:, :, None], keys)
+            dkeys = matmul_fp32(ds.transpose(-1, -2).to(qb.dtype), qb)
+            dkeys[..., :vdim] += matmul_fp32(p.transpose(-1, -2).to(do.dtype), do)
             own_rows = torch.where(in_prefix, 0, pb - n)
             down.index_put_((bidx.expand_as(pb), own_rows), torch.where(in_prefix[..., None], 0, dkeys), accumulate=True)
             if sink is not None and rows:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.sequence import SequenceGroup
+from .fp32_matmul import matmul_fp32, operand_dtype
 from .sparse_attention import NEG, QUERY_BLOCK, _local_rows, _partial, topk_candidates
 from .split_attention import merge_ranks
 
@@ -53,10 +54,13 @@ class SplitLayout:
 @dataclass(frozen=True)
 class SplitSelection:
     """Every rank's queries' top-k, as this rank sees it: candidate positions [C * B, L, k] (queries of rank r in
-    rows r * B.., padded to the longest block L) and `keep`: selected, and held here."""
+    rows r * B.., padded to the longest block L), `keep`: selected, and held here, and `held` (on the host): per
+    query position (of L), the most entries any rank's query there keeps. The attention sizes its blocks by `held`,
+    read from the device once per selection: a read per block of queries would stall the GPU's stream each time."""
 
     pos: Tensor
     keep: Tensor
+    held: tuple[int, ...]
 
 
 def _gather_queries(t: Tensor, lay: SplitLayout) -> Tensor:
@@ -104,7 +108,7 @@ def split_select_topk(queries: tuple[Tensor, ...], score, prefix_keys: Tensor | 
     thr_v = torch.cat(group.gather(got_v.gather(-1, kth)), 0)  # [C * B, L, 1]
     thr_p = torch.cat(group.gather(got_p.gather(-1, kth)), 0)
     keep = (vals > NEG) & ((vals > thr_v) | ((vals == thr_v) & (pos <= thr_p)))
-    return SplitSelection(pos, keep)
+    return SplitSelection(pos, keep, tuple(keep.sum(-1).amax(0).tolist()))  # the selection's one host read
 
 
 def _held_keys(prefix: Tensor | None, own: Tensor, pos: Tensor, lay: SplitLayout):
@@ -127,11 +131,11 @@ def _held_keys(prefix: Tensor | None, own: Tensor, pos: Tensor, lay: SplitLayout
 def _compact(sel: SplitSelection, sl: slice) -> tuple[Tensor, Tensor] | None:
     """The entries this rank holds of a block of queries' selections, moved to the front and cut to the most any
     query of the block has (positions, keep [C * B, t, k']), so that a rank's work is its share of the top-k, not
-    all of it; None if it holds none."""
-    keep = sel.keep[:, sl]
-    most = int(keep.sum(-1).max()) if keep.numel() else 0
+    all of it; None if it holds none. The width comes from the host (`sel.held`): no device read here."""
+    most = max(sel.held[sl], default=0)
     if most == 0:
         return None
+    keep = sel.keep[:, sl]
     front = keep.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :most]
     return sel.pos[:, sl].gather(-1, front), keep.gather(-1, front)
 
@@ -149,8 +153,9 @@ class _SplitSparseAttention(torch.autograd.Function):
             if (held := _compact(sel, sl)) is None:
                 continue
             pos, keep = held
-            keys = _held_keys(prefix, own, pos, lay)[0].to(acc)
-            s = torch.einsum("bthd,btkd->bthk", q_all[:, sl].to(acc), keys) * scale
+            keys = _held_keys(prefix, own, pos, lay)[0]
+            keys = keys.to(operand_dtype(keys))  # bf16 products into fp32 on CUDA, else upcast once here
+            s = matmul_fp32(q_all[:, sl], keys.transpose(-1, -2)) * scale
             o_p[:, sl], l_p[:, sl] = _partial(s, keep[:, :, None, :], keys[..., :vdim])
         # the partial outputs travel in the model's dtype, their log-sum-exps in fp32 (as split_attention.py's)
         out, lse = merge_ranks(lay.group.exchange_split(o_p.to(q.dtype)), lay.group.exchange_split(l_p))
@@ -158,13 +163,13 @@ class _SplitSparseAttention(torch.autograd.Function):
         # the selection is saved, not kept as an attribute: per-layer checkpointing then drops it with the layer's
         # other tensors and recomputes it (as an attribute, every layer's [C * B, L, k] stayed for the backward)
         ctx.save_for_backward(q, own, q_all, out, lse, sel.pos, sel.keep)
-        ctx.prefix, ctx.sink, ctx.scale, ctx.vdim, ctx.lay = prefix, sink, scale, vdim, lay
+        ctx.prefix, ctx.sink, ctx.scale, ctx.vdim, ctx.lay, ctx.held = prefix, sink, scale, vdim, lay, sel.held
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, own, q_all, out, lse, pos, keep = ctx.saved_tensors
-        sel = SplitSelection(pos, keep)
+        sel = SplitSelection(pos, keep, ctx.held)
         prefix, sink, scale, vdim, lay = ctx.prefix, ctx.sink, ctx.scale, ctx.vdim, ctx.lay
         t = q.shape[1]
         acc = lse.dtype
@@ -186,14 +191,15 @@ class _SplitSparseAttention(torch.autograd.Function):
                     continue
                 pos, keep = held
                 keys, in_prefix, bidx, own_row, local = _held_keys(prefix, own, pos, lay)
-                keys, qb, do = keys.to(acc), q_all[:, sl].to(acc), do_all[:, sl].to(acc)
-                s = torch.einsum("bthd,btkd->bthk", qb, keys) * scale
+                keys = keys.to(operand_dtype(keys))
+                qb, do = q_all[:, sl].to(operand_dtype(q_all)), do_all[:, sl].to(operand_dtype(do_all))
+                s = matmul_fp32(qb, keys.transpose(-1, -2)) * scale
                 p = torch.exp(s.masked_fill(~keep[:, :, None, :], NEG) - lse_all[:, sl, :, None])
-                dp = torch.einsum("bthd,btkd->bthk", do, keys[..., :vdim])
+                dp = matmul_fp32(do, keys[..., :vdim].transpose(-1, -2))
                 ds = p * (dp - delta_all[:, sl, :, None]) * scale
-                shares[:, sl.start - e0 : sl.stop - e0] = torch.einsum("bthk,btkd->bthd", ds, keys)
-                dkeys = torch.einsum("bthk,bthd->btkd", ds, qb)
-                dkeys[..., :vdim] += torch.einsum("bthk,bthd->btkd", p, do)
+                shares[:, sl.start - e0 : sl.stop - e0] = matmul_fp32(ds.to(keys.dtype), keys)
+                dkeys = matmul_fp32(ds.transpose(-1, -2).to(qb.dtype), qb)
+                dkeys[..., :vdim] += matmul_fp32(p.transpose(-1, -2).to(do.dtype), do)
                 own_hit = (keep & ~in_prefix)[..., None]
                 down.index_put_((bidx, own_row), torch.where(own_hit, dkeys, 0), accumulate=True)
                 if sink is not None and local is not None:

@@ -311,10 +311,10 @@ def test_kernel_choice(device, dtype, qk, v, want):
 
 @pytest.mark.parametrize("kernel,dtype", [("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)])
 def test_cuda_kernels_plumbing_on_meta_tensors(kernel, dtype, monkeypatch):
-    """The CUDA kernels' calls (arguments, the padded log-sum-exp of the efficient kernel, GQA expanded for the
-    segment part and folded back, the prefix backward in blocks of rows) checked with meta tensors, which run
-    the ops' shape functions: forward and backward give the shapes and dtypes of the reference. Their numerics
-    need a GPU (test below)."""
+    """The CUDA kernels' calls (arguments, the padded log-sum-exp of the efficient kernel, grouped heads, the prefix
+    backward in blocks of rows) checked with meta tensors, which run the ops' shape functions: forward and backward
+    give the shapes and dtypes of the reference. Their numerics on CPU, through a stand-in of the kernels:
+    tests/ops/test_cuda_branches.py; on a GPU: the test below."""
     monkeypatch.setattr(attention, "PREFIX_GRAD_ROWS", 16)
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(2, 4, 5, 16, **meta, requires_grad=True)

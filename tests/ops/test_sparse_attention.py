@@ -1,7 +1,8 @@
 """DSA ops: deterministic streamed top-k selection and attention over gathered latent rows.
 
 References are written here independently: the selection is Python's `sorted` on (-score, position) over the whole
-row, and the attention is a plain float64 softmax over the gathered rows of cat(prefix, own) with autograd.
+row, and the attention is a plain float64 softmax over the gathered rows of cat(prefix, own) with autograd. The CUDA
+branch of the products (bf16 operands into fp32) runs on CPU tensors through tests/bmm_standin.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import math
 import pytest
 import torch
 
-from longstraw.ops.sparse_attention import QUERY_BLOCK, select_topk, sparse_latent_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from longstraw.ops.sparse_attention import QUERY_BLOCK, select_topk, select_topk_global, sparse_latent_attention
+from longstraw.ops.split_sparse_attention import SplitLayout, split_select_topk, split_sparse_attention
+from longstraw.parallel.sequence import ONE_RANK
+from tests import bmm_standin
 
 NEG = float("-inf")
 
@@ -158,9 +164,10 @@ def make_inputs(b, t, n, h, d, seed, dtype):
 
 
 def run_op(q, own, prefix, pos, valid, scale, vdim, dout):
-    """Output and gradients (q, own through autograd; prefix through the sink, which starts at zero)."""
+    """Output and gradients (q, own through autograd; prefix through the sink, which starts at zero; fp32 at least,
+    as the engine's dState)."""
     q, own = q.detach().requires_grad_(), own.detach().requires_grad_()
-    sink = None if prefix is None else torch.zeros_like(prefix)
+    sink = None if prefix is None else torch.zeros_like(prefix, dtype=torch.promote_types(prefix.dtype, torch.float32))
     out = sparse_latent_attention(q, own, prefix, pos, valid, scale, vdim, sink)
     out.backward(dout)
     return out.detach(), q.grad, own.grad, sink
@@ -266,3 +273,209 @@ def test_positions_order_within_row_does_not_matter():
     for x, y in zip(a, c):
         assert max_rel(x, y) <= 1e-12
     assert math.isfinite(float(a[0].abs().sum()))
+
+
+# --- the split path on one rank, host reads, and the CUDA branch's products ----------------------------------------
+# ops/split_sparse_attention.py runs in one process over the group of one rank (its collectives are the identity), so
+# its selection and attention are checked here against the one-rank path and the references above; several ranks:
+# tests/parallel/test_sequence_parallel.py (glm_moe_dsa).
+
+aten = torch.ops.aten
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what makes the host read tensor values (on a GPU, each one waits for the stream): the ops that return
+    host values or data-dependent shapes (`item`, `int()`, `bool()` reach `_local_scalar_dense`; `nonzero`, boolean
+    masks), and `Tensor.tolist`, which reads memory directly, past the dispatcher."""
+
+    READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+             aten.is_nonzero.default, aten._unique2.default, aten.unique_consecutive.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(t):
+            counter.count += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        self.count += func in self.READS or boolean_index
+        return func(*args, **(kwargs or {}))
+
+
+class Products(TorchDispatchMode):
+    """The matrix products run, by kind: `half` (half operands into fp32, `aten::bmm.dtype`) and `wide` (fp32 or
+    fp64 operands: what upcasting half inputs leads to)."""
+
+    WIDE = {aten.bmm.default, aten.mm.default, aten.addmm.default, aten.baddbmm.default, aten.dot.default,
+            aten.mv.default, aten.addbmm.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.half = self.wide = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.half += func is aten.bmm.dtype
+        self.wide += func in self.WIDE
+        return func(*args, **(kwargs or {}))
+
+
+def integer_scores(qs, keys):
+    """Index scores q . k of small integer vectors (exact in fp32: ties wherever two products agree)."""
+    (q,) = qs
+    k = keys if keys.dim() == 3 else keys.expand(q.shape[0], -1, -1)
+    return torch.einsum("bte,ble->btl", q, k)
+
+
+def index_case(b, t, n, seed):
+    """Indexer queries [B, T, 3] and keys [N + T, 3] of small integers (prefix rows, then the own tokens')."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, 2, (b, t, 3), generator=g).float(), torch.randint(-1, 2, (n + t, 3), generator=g).float()
+
+
+def one_rank_selection(iq, ik, n, k, key_block=16):
+    """The one-rank path's selection (prefix in blocks of `key_block`), and the full rows' scores [B, T, N + T]."""
+    t = iq.shape[1]
+    own_scores = integer_scores((iq,), ik[n:]).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), NEG)
+    blocks = ((torch.arange(a, min(a + key_block, n)), integer_scores((iq,), ik[a: min(a + key_block, n)]))
+              for a in range(0, n, key_block))
+    full = torch.cat([integer_scores((iq,), ik[:n]), own_scores], -1)
+    return select_topk_global(blocks, (torch.arange(n, n + t), own_scores), k), full
+
+
+def split_layout(t, n):
+    """A split segment over the group of one rank: queries and own rows at n.., a prefix of n rows held here."""
+    return SplitLayout([t], [n], n, n, torch.arange(n), False, ONE_RANK)
+
+
+def split_selection(iq, ik, n, k, key_block=16):
+    b, t = iq.shape[:2]
+    own_k = ik[n:].expand(b, -1, -1).contiguous()
+    return split_select_topk((iq,), integer_scores, ik[:n] if n else None, own_k, k, split_layout(t, n), key_block)
+
+
+def run_split(q, own, prefix, sel, lay, scale, vdim, dout):
+    q, own = q.detach().requires_grad_(), own.detach().requires_grad_()
+    sink = None if prefix is None else torch.zeros_like(prefix, dtype=torch.promote_types(prefix.dtype, torch.float32))
+    out = split_sparse_attention(q, own, prefix, sel, scale, vdim, sink, lay)
+    out.backward(dout)
+    return out.detach(), q.grad, own.grad, sink
+
+
+@pytest.mark.parametrize("t,n,k", [(70, 0, 9), (150, 45, 17), (40, 30, 100)])
+def test_split_path_on_one_rank_selects_and_attends_as_the_one_rank_path(t, n, k):
+    b = 2
+    iq, ik = index_case(b, t, n, seed=t + n)
+    (pos, valid), full = one_rank_selection(iq, ik, n, k)
+    sel, lay = split_selection(iq, ik, n, k), split_layout(t, n)
+    want_sel = reference_topk(full, k)
+    for i in range(b):
+        for j in range(t):
+            assert pos[i, j][valid[i, j]].tolist() == want_sel[i][j]
+            assert sorted(sel.pos[i, j][sel.keep[i, j]].tolist()) == want_sel[i][j]
+    assert sel.held == tuple(sel.keep.sum(-1).amax(0).tolist())
+    q, own, prefix, dout = make_inputs(b, t, n, H, D, t + n, torch.float64)
+    dout = dout[..., :VDIM].contiguous()
+    got = run_split(q, own, prefix, sel, lay, 0.3, VDIM, dout)
+    want = run_reference(q, own, prefix, pos, valid, 0.3, VDIM, dout)
+    for name, g, w in zip(("out", "dq", "down", "dprefix"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert max_rel(g, w) <= 1e-12, name
+
+
+def test_no_host_read_per_query_block():
+    """Host reads per call, at one query block and at five: the split path reads the selection's widths once when
+    it selects, its attention (forward and backward) and the one-rank path never."""
+    counts = {}
+    for t in (QUERY_BLOCK, 5 * QUERY_BLOCK):
+        n, k, b = 40, 12, 1
+        q, own, prefix, dout = make_inputs(b, t, n, H, D, 1, torch.float32)
+        dout = dout[..., :VDIM].contiguous()
+        iq, ik = index_case(b, t, n, seed=2)
+        with HostReads() as one_select:
+            (pos, valid), _ = one_rank_selection(iq, ik, n, k)
+        with HostReads() as split_select:
+            sel = split_selection(iq, ik, n, k)
+        lay = split_layout(t, n)
+        q1, own1 = q.clone().requires_grad_(), own.clone().requires_grad_()
+        sink = torch.zeros_like(prefix)
+        with HostReads() as fwd:
+            out = split_sparse_attention(q1, own1, prefix, sel, 0.3, VDIM, sink, lay)
+        with HostReads() as bwd:
+            out.backward(dout)
+        q2, own2 = q.clone().requires_grad_(), own.clone().requires_grad_()
+        with HostReads() as one_fwd:
+            out = sparse_latent_attention(q2, own2, prefix, pos, valid, 0.3, VDIM, sink)
+        with HostReads() as one_bwd:
+            out.backward(dout)
+        counts[t] = dict(one_select=one_select.count, split_select=split_select.count, split_forward=fwd.count,
+                         split_backward=bwd.count, one_forward=one_fwd.count, one_backward=one_bwd.count)
+    assert counts[QUERY_BLOCK] == counts[5 * QUERY_BLOCK] == dict(
+        one_select=0, split_select=1, split_forward=0, split_backward=0, one_forward=0, one_backward=0), counts
+
+
+@pytest.mark.parametrize("path", ["one_rank", "split"])
+def test_cuda_branch_multiplies_bf16_into_fp32(path):
+    """On CUDA (its branch run here through the bmm stand-in) every product of the attention's forward and backward
+    takes bf16 operands into fp32, none upcasts them; results as accurate as bf16 rounding allows."""
+    b, t, n, k = 2, 150, 45, 17
+    iq, ik = index_case(b, t, n, seed=4)
+    (pos, valid), _ = one_rank_selection(iq, ik, n, k)
+    sel, lay = split_selection(iq, ik, n, k), split_layout(t, n)
+    q, own, prefix, dout = make_inputs(b, t, n, H, D, 4, torch.bfloat16)
+    dout = dout[..., :VDIM].contiguous()
+    with bmm_standin.installed() as calls, Products() as products:
+        if path == "split":
+            got = run_split(q, own, prefix, sel, lay, 0.4, VDIM, dout)
+        else:
+            got = run_op(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+    # per query block: scores and P @ V (the one-rank path: one P @ V per part, prefix and own rows); backward:
+    # scores, dP, dQ (the one-rank path: per part), dK and dV
+    per_block = 2 + 5 if path == "split" else 3 + 6
+    assert products.wide == 0 and products.half == len(calls.shapes) == per_block * -(-t // QUERY_BLOCK)
+    want = run_reference(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+    for name, g, w in zip(("out", "dq", "down", "dprefix"), got, want):
+        # bf16 inputs and outputs, P and dS rounded to bf16 before their products (as flash attention's)
+        assert max_rel(g, w) <= 1.5e-2, (name, max_rel(g, w))
+
+
+@pytest.mark.parametrize("path", ["one_rank", "split"])
+def test_cpu_bf16_is_the_fp32_computation(path):
+    """On the CPU (no bf16 products into fp32) bf16 inputs are upcast, so the numerics are those of the fp32
+    products: the one-rank path returns the fp32 computation on the same values, rounded as the op returns them;
+    the split path too but for its partial outputs, which travel between ranks in the model's dtype."""
+    b, t, n, k = 2, 100, 30, 11
+    iq, ik = index_case(b, t, n, seed=5)
+    (pos, valid), _ = one_rank_selection(iq, ik, n, k)
+    sel, lay = split_selection(iq, ik, n, k), split_layout(t, n)
+    q, own, prefix, dout = make_inputs(b, t, n, H, D, 5, torch.bfloat16)
+    dout = dout[..., :VDIM].contiguous()
+    with Products() as products:
+        if path == "split":
+            got = run_split(q, own, prefix, sel, lay, 0.4, VDIM, dout)
+        else:
+            got = run_op(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+    assert products.half == 0 and products.wide > 0
+    names = ("out", "dq", "down", "dprefix")
+    if path == "one_rank":
+        wide = run_op(q.float(), own.float(), prefix.float(), pos, valid, 0.4, VDIM, dout.float())
+        for name, g, w in zip(names, got, wide):
+            assert torch.equal(g, w.to(g.dtype)), name
+    want = run_reference(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+    for name, g, w in zip(names, got, want):
+        assert max_rel(g, w) <= 1e-2, (name, max_rel(g, w))

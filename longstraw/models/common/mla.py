@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...ops.fp32_matmul import HALF_DTYPES, matmul_fp32
 from ...state import LatentState, Segment
 from .mixer import TokenMixer
 from .norm import RMSNorm
@@ -48,6 +49,12 @@ def _index_keys(s: LatentState) -> torch.Tensor:
     return s.index_k
 
 
+def _fp32_unless_half(t: torch.Tensor) -> torch.Tensor:
+    """An indexer operand as its scores' products take it: half precision as it is, anything else in fp32 (as
+    transformers' indexer, which scores in fp32 whatever the model's dtype)."""
+    return t if t.dtype in HALF_DTYPES else t.float()
+
+
 class Indexer(nn.Module):
     """DSA lightning indexer (names as transformers): per-token key, per-head queries from the q LoRA residual."""
 
@@ -64,17 +71,26 @@ class Indexer(nn.Module):
         return _rope_part(self.k_norm(self.wk(x)), rope, self.rope_dim, first=True)
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head indexer queries [B, T, Hi, D] and head weights [B, T, Hi], in fp32."""
+        """Per-head indexer queries [B, T, Hi, D] and head weights [B, T, Hi] in fp32; the queries of a half-precision
+        model stay in its dtype, which `scores` multiplies as it is, into fp32."""
         b, t, _ = x.shape
         q = _rope_part(self.wq_b(q_resid).view(b, t, self.heads, self.head_dim), rope, self.rope_dim, first=True)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5
-        return q.float(), w
+        return _fp32_unless_half(q), w
 
     def scores(self, qw: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
-        """sum_h w_h relu(q_h . k * scale): [B, T, L] for keys [L, D] (prefix, shared) or [B, L, D] (own tokens)."""
+        """sum_h w_h relu(q_h . k * scale) in fp32: [B, T, L] for keys [L, D] (prefix, shared) or [B, L, D] (own
+        tokens). As transformers' fp32 products of the bf16 queries and keys, computed as bf16 products with fp32
+        accumulation where the device has them (ops/fp32_matmul.py): the same values, on tensor cores."""
         q, w = qw
-        k = keys.float() if keys.dim() == 3 else keys.float().expand(q.shape[0], -1, -1)
-        return torch.einsum("bth,bthl->btl", w, F.relu(torch.einsum("bthd,bld->bthl", q, k) * self.scale))
+        keys = _fp32_unless_half(keys)
+        b, t, h, d = q.shape
+        if keys.dim() == 2:  # shared by the batch: one product for all its queries
+            per_head = matmul_fp32(q.reshape(1, b * t * h, d), keys.t()[None])
+        else:
+            per_head = matmul_fp32(q.reshape(b, t * h, d), keys.expand(b, -1, -1).transpose(1, 2))
+        per_head = per_head.view(b, t, h, -1)
+        return torch.einsum("bth,bthl->btl", w, F.relu(per_head * self.scale))
 
 
 class MLAttention(TokenMixer):
