@@ -11,8 +11,12 @@ import torch
 
 
 def free_bytes(device: torch.device) -> int:
+    """Bytes a new tensor on `device` can take. CUDA: the driver's free memory plus what torch's caching allocator
+    holds reserved but unallocated (after a warm-up that cache is most of the free memory, and it serves new
+    tensors first). CPU: Linux MemAvailable."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(cached, 0)
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024

@@ -112,7 +112,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     cfg = with_rope_scaling(read_config(path), rope_scaling)
     with torch.device("meta"):
         model = build(cfg)
-    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    saved = model.state_dict(keep_vars=True)  # without the non-persistent buffers (RoPE's, computed at build)
+    expected = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in saved}}
     tied = model.config.tie_word_embeddings
     keep = model.fp32_suffixes
     layers = model.config.num_hidden_layers

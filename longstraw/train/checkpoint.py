@@ -67,6 +67,7 @@ from ..models.checkpoint import write_state_dict
 from ..parallel import is_sharded
 from ..parallel.objects import broadcast_json, gather_json
 from .artifacts import load_tensors
+from .device import collective_device
 
 FORMAT = "longstraw-checkpoint/2"
 OLD_FORMATS = {"longstraw-checkpoint/1": "one process's whole optimizer state in trainer/optimizer.safetensors"}
@@ -94,7 +95,7 @@ def _rank_world() -> tuple[int, int]:
 
 def _device() -> torch.device:
     """Where the JSON collectives' tensors go: the default group's backend (NCCL) moves CUDA tensors only."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return collective_device()
 
 
 def _gather(value) -> list:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..config import DType, ModelSpec
 from ..engine import EngineConfig
 from ..grpo import GRPOConfig
+from .device import check_device_setting
 
 
 class _Strict(BaseModel):
@@ -211,11 +212,19 @@ class TrainConfig(_Strict):
     lora: LoraSpec | None = Field(None, description="LoRA adapters instead of full fine-tuning (absent: full)")
     seed: int = 0
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    device: str = Field("auto", description="where each rank's model computes: auto (the GPU when torch sees one, "
+                        "else the CPU), cpu, cuda (an error when there is none) or cuda:N (one process only; "
+                        "torchrun's ranks each take their LOCAL_RANK's GPU)")
     run_dir: str = "runs/grpo"
     store: StoreConfig = StoreConfig()
     pipeline: PipelineConfig = PipelineConfig()
     tracking: TrackingConfig = TrackingConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device_setting(cls, v: str) -> str:
+        return check_device_setting(v)
 
     @field_validator("run_dir")
     @classmethod
@@ -244,6 +253,9 @@ class TrainConfig(_Strict):
         if self.optim.mixed_precision and self.dtype != "bfloat16":
             raise ValueError(f"optim.mixed_precision computes in bf16 with fp32 master weights; set dtype: bfloat16 "
                              f"(it is {self.dtype}), or mixed_precision: false for AdamW in {self.dtype}")
+        if p.nproc > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device} pins one GPU, but the {p.nproc} ranks each take their own (their "
+                             "LOCAL_RANK's); set device: cuda (or auto)")
         if self.optim.zero_stage and p.nproc == 1:
             raise ValueError(f"optim.zero_stage {self.optim.zero_stage} shards over several ranks; set "
                              "pipeline.nproc > 1 or zero_stage 0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,9 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel import ONE_RANK, SequenceGroup, full_tensor, is_sharded, local_shard
 from .config import OptimConfig
+from .device import sum_over_ranks
 from .offload import FileTensors, cpu_adam
+from .transfer import HostMirror
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, parallel: SequenceGroup = ONE_RANK) -> torch.optim.Optimizer:
@@ -106,17 +109,21 @@ class MasterAdamW:
         self.files = FileTensors(cfg.nvme_path, self.rank) if cfg.offload == "nvme" else None
         self.master: dict[int, torch.Tensor] = {}
         self.aliased: set[int] = set()
-        for p in self.owned:
+        # offload: the owned parameters' masters (and gradients) are views of one flat host buffer each, filled and
+        # emptied chunk by chunk (transfer.py), the masters here from the parameters
+        self.mirror: HostMirror | None = None
+        if self.where != "none" and self.owned:
+            make = (lambda numel: self.files.new((numel,))) if self.files is not None else None
+            self.mirror = HostMirror(self._locals(), make)
+            self.mirror.to_host(self._locals(), into=self.mirror.values)
+            self.master = {id(p): m for p, m in zip(self.owned, self.mirror.value_views)}
+        for p in self.owned if self.where == "none" else ():
             local = local_shard(p.detach())
-            if self.where == "none" and local.dtype == torch.float32:
+            if local.dtype == torch.float32:
                 self.master[id(p)] = local  # the parameter (or its FSDP shard) is its own fp32 master
                 self.aliased.add(id(p))
-            elif self.where == "none":
-                self.master[id(p)] = local.to(torch.float32, copy=True)
-            elif self.files is not None:
-                self.master[id(p)] = self.files.new(local.shape, local)
             else:
-                self.master[id(p)] = local.to("cpu", torch.float32, copy=True)
+                self.master[id(p)] = local.to(torch.float32, copy=True)
         self.param_groups = [{"params": self.owned, "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
                               "weight_decay": cfg.weight_decay}]
         masters = [self.master[id(p)] for p in self.owned]
@@ -130,6 +137,10 @@ class MasterAdamW:
                 self.inner.state[m] = {"step": 0, "exp_avg": self.files.new(m.shape),
                                        "exp_avg_sq": self.files.new(m.shape)}
         self.step_count: dict[int, int] = {}  # updates each master has had
+
+    def _locals(self) -> list[torch.Tensor]:
+        """This rank's part of each owned parameter (the tensors the weights are copied back into)."""
+        return [local_shard(p.detach()) for p in self.owned]
 
     # ---- the torch-optimizer face checkpoints use ---------------------------------------------------------------
     def _view(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -167,8 +178,10 @@ class MasterAdamW:
                     step = int(float(entry["step"])) if "step" in entry else 1
                     self.step_count[id(p)] = step
                     self._set_moments(m, local_shard(entry["exp_avg"]), local_shard(entry["exp_avg_sq"]), step)
-                if id(p) not in self.aliased:
+                if id(p) not in self.aliased and self.mirror is None:
                     local_shard(p.detach()).copy_(m)
+            if self.mirror is not None:
+                self.mirror.to_device(self._locals())
 
     def _set_moments(self, m: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int) -> None:
         old = self.inner.state.get(m, {})
@@ -198,23 +211,40 @@ class MasterAdamW:
             m.grad = None
 
     # ---- the step ---------------------------------------------------------------------------------------------------
-    def master_grads(self) -> list[torch.Tensor]:
-        """Cast each parameter's gradient to fp32 into its master's `grad` (ZeRO-0/1: summed over the data-parallel
-        groups, in fp32, on every rank alike) and free the parameter's; the masters that have one."""
+    def _device_grads(self) -> Iterator[torch.Tensor | None]:
+        """Each owned parameter's gradient (its local shard) on the device, in order, None where it has none
+        (ZeRO-0/1: summed over the data-parallel groups in fp32, on every rank alike); frees the parameters'.
+        Run it to its end: the sums of the parameters a rank does not own are collectives too."""
         dp_sum = not self.sharded
         for p in self.params:
             g = p.grad
+            owned = self.owner[id(p)] == self.rank
             if g is None:
+                if owned:
+                    yield None
                 continue
             p.grad = None
-            owned = self.owner[id(p)] == self.rank
-            g32 = local_shard(g)
+            g = local_shard(g)
             if dp_sum:
-                g32 = g32.to(torch.float32, copy=True)
-                self.parallel.dp_sum_(g32)  # a collective on every rank, owned or not
+                g = g.to(torch.float32, copy=True)
+                self.parallel.dp_sum_(g)  # a collective on every rank, owned or not
             if owned:
+                yield g
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as fp32 into its master's `grad` and the parameter's freed; the masters that
+        have one. Offload: into one flat host buffer, chunk by chunk (`HostMirror.to_host`, cast on the device)."""
+        if self.mirror is not None:
+            present = self.mirror.to_host(self._device_grads())
+            for p, has, g in zip(self.owned, present, self.mirror.grad_views):
+                self.master[id(p)].grad = g if has else None
+        else:
+            grads = self._device_grads()
+            for p, g in zip(self.owned, grads):
                 m = self.master[id(p)]
-                m.grad = g32.to(m.device, torch.float32)
+                m.grad = None if g is None else g.to(m.device, torch.float32)
+            for _ in grads:  # the sums of the parameters after the last owned one
+                pass
         return [self.master[id(p)] for p in self.owned if self.master[id(p)].grad is not None]
 
     def _norm_reduced(self) -> bool:
@@ -226,7 +256,7 @@ class MasterAdamW:
         if not self._norm_reduced():
             return float(norm)
         sq = norm.to(torch.float64).square().reshape(1)
-        dist.all_reduce(sq)
+        sum_over_ranks(sq)  # host gradients (offload) under NCCL: reduced on the GPU
         return float(sq.sqrt())
 
     def step(self, lr: float) -> None:
@@ -242,8 +272,10 @@ class MasterAdamW:
                 m = self.master[id(p)]
                 if m.grad is not None:
                     self.step_count[id(p)] = self.step_count.get(id(p), 0) + 1
-                if id(p) not in self.aliased:
+                if id(p) not in self.aliased and self.mirror is None:
                     local_shard(p.detach()).copy_(m)
+            if self.mirror is not None:
+                self.mirror.to_device(self._locals())  # chunk by chunk, cast on the device
             if self.cfg.zero_stage == 1 and self.world > 1:
                 for p in self.params:
                     dist.broadcast(p.detach(), src=self.owner[id(p)])
@@ -293,8 +325,7 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(local_shard(p)).all())]
     if is_sharded(model):  # each rank checks its own shards; all must raise together
-        count = torch.tensor([len(bad)], device=local_shard(params[0]).device)
-        dist.all_reduce(count)
+        count = sum_over_ranks(torch.tensor([len(bad)]))
         bad = bad or ([] if int(count) == 0 else ["(on another rank)"])
     _raise_bad(bad, update, norm, lr)
     return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
@@ -330,8 +361,7 @@ def _master_step(model: nn.Module, opt: MasterAdamW, cfg: OptimConfig, update: i
     names = {id(p): n for n, p in model.named_parameters()}
     bad = [names[id(p)] for p in opt.bad_masters()]
     if opt.world > 1 and opt.cfg.zero_stage >= 1:  # each rank checks its own masters; all must raise together
-        count = torch.tensor([len(bad)], device=local_shard(opt.params[0]).device)
-        dist.all_reduce(count)
+        count = sum_over_ranks(torch.tensor([len(bad)]))
         bad = bad or ([] if int(count) == 0 else ["(on another rank)"])
     _raise_bad(bad, update, norm, lr)
     return {"grad_norm": norm, "lr": lr, "skipped": 0.0}

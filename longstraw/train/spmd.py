@@ -51,6 +51,7 @@ from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel
 from ..parallel.launch import torchrun
 from ..parallel.objects import broadcast_json, gather_json
 from .config import TrainConfig
+from .device import run_device
 
 HEARTBEATS_PER_TIMEOUT = 4  # rank 0's heartbeats per collective timeout, while the others wait for a command
 RECORD_WAIT_S = 5.0  # after a failure, how long rank 0 waits for the other ranks' error records
@@ -145,9 +146,10 @@ def init_ranks(cfg: TrainConfig) -> Ranks:
     if world != p.nproc:
         raise ValueError(f"torchrun started {world} ranks but the config says pipeline.nproc {p.nproc} (the ranks of "
                          f"all nodes together); start it with `longstraw train --nproc {world}` or set pipeline.nproc")
-    cuda = torch.cuda.is_available()
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()  # device: cpu on a GPU machine runs on gloo
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    run_device(cfg.device)  # device: cuda without a GPU fails here, before the ranks meet
     timeout = timedelta(seconds=p.collective_timeout_s)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)

@@ -50,6 +50,7 @@ from .artifacts import load_json, load_tensors, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
 from .config import TrainConfig
 from .data import example_seed
+from .device import run_device
 from .optim import build_optimizer, optimizer_step
 from .spmd import ONE_PROCESS, Ranks, agree
 from .inputs import example_record, make_prompt, read_rollout
@@ -88,13 +89,16 @@ class Worker:
         self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # a torchrun rank has made its LOCAL_RANK's GPU the current one (spmd.init_ranks)
+        self._device = run_device(cfg.device)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # kernels that launch on the current device (Triton's) use it too
 
     # ---- the rank's place ---------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        if self.ranks.distributed and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """Where this rank's model computes (`device:` in the run config; `run_device`)."""
+        return self._device
 
     @property
     def _sp_rank(self) -> tuple[int, int]:

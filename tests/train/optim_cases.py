@@ -5,6 +5,7 @@ here)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from longstraw.parallel import SequenceParallel, full_tensor, local_shard, shard_model
@@ -51,9 +52,33 @@ def run_updates(model: torch.nn.Module, opt, cfg: OptimConfig, updates: int = UP
     return norms
 
 
+# The device each backend's collectives take tensors on, written here apart from the library's rule
+# (longstraw.train.device): NCCL fails on a host tensor, which gloo, standing in for it on CPU, would accept.
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def device_checked_all_reduce(reductions: list[str]):
+    """torch.distributed.all_reduce, asserting that the tensor is on the device its group's backend takes, and
+    recording the backend of each call in `reductions`."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        backend = str(dist.get_backend(group))
+        assert tensor.device.type == BACKEND_DEVICE[backend], \
+            f"all_reduce of a {tensor.device.type} tensor over {backend} (which takes {BACKEND_DEVICE[backend]})"
+        reductions.append(backend)
+        return real(tensor, *args, **kwargs)
+
+    return all_reduce
+
+
 def offload_rank(rank: int, world: int, stage: int, offload: str, nvme_root: str) -> dict[str, torch.Tensor]:
     """`UPDATES` updates of a tiny fp32 model with the optimizer offloaded, sharded by `stage` over the gloo ranks
-    (every rank computes the whole batch's loss: the same gradient everywhere, FSDP dividing its sum by 2)."""
+    (every rank computes the whole batch's loss: the same gradient everywhere, FSDP dividing its sum by 2). Every
+    all_reduce is checked to run on its backend's device (the clip norm of host gradients among them)."""
+    reductions: list[str] = []
+    dist.all_reduce = device_checked_all_reduce(reductions)  # this spawned rank's own module: nothing to restore
     kw = dict(nvme_path=f"{nvme_root}/rank{rank}") if offload == "nvme" else {}
     cfg = OptimConfig(**OPTIM, zero_stage=stage, offload=offload, **kw)
     m = tiny_model()
@@ -64,7 +89,8 @@ def offload_rank(rank: int, world: int, stage: int, offload: str, nvme_root: str
     held = sum(local_shard(t).numel() for st in opt.state.values() for k, t in st.items() if k == "exp_avg")
     on_host = all(local_shard(t).device.type == "cpu" for st in opt.state.values() for t in st.values())
     return {"weights": weights(m), "norms": torch.tensor(norms, dtype=torch.float64),
-            "moments_held": torch.tensor(held), "on_host": torch.tensor(on_host)}
+            "moments_held": torch.tensor(held), "on_host": torch.tensor(on_host),
+            "reductions": torch.tensor(len(reductions))}
 
 
 def mixed_rank(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:

@@ -14,10 +14,10 @@ import torch
 
 from longstraw.train.config import OptimConfig
 from longstraw.train.offload import FileTensors, cpu_adam_class
-from longstraw.train.optim import MasterAdamW, build_optimizer
+from longstraw.train.optim import MasterAdamW, build_optimizer, optimizer_step
 from tests.conftest import tiny_model
 from tests.parallel.launch import run_ranks
-from tests.train.optim_cases import OPTIM, offload_rank, run_updates, weights
+from tests.train.optim_cases import OPTIM, UPDATES, loss_of, offload_rank, run_updates, weights
 
 pytest.importorskip("deepspeed", reason="optim.offload needs DeepSpeed (make install)")
 TOL = 1e-6
@@ -88,6 +88,8 @@ def test_offload_on_two_ranks_equals_one_process_device_adamw(stage, reference, 
         assert diff <= TOL
         assert torch.allclose(r["norms"], reference["norms"], rtol=1e-5)
         assert bool(r["on_host"])
+        # the clip norm's and the finiteness check's sums at least, each on its backend's device (optim_cases)
+        assert int(r["reductions"]) >= 2 * UPDATES
     held = [int(r["moments_held"]) for r in ranks]
     assert sum(held) == numel and max(held) < 0.75 * numel  # each rank keeps its share of the moments
 
@@ -116,3 +118,54 @@ def test_offload_keeps_pure_bf16_model_weights_on_an_fp32_master():
     run_updates(model, opt, cfg, 2)
     for p, st in opt.state.items():
         assert st["master"].dtype == torch.float32 and torch.equal(st["master"].to(torch.bfloat16), p.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 40_000])
+def test_offload_copies_are_batched_and_equal_per_parameter_copies(dtype, chunk, monkeypatch):
+    """The host copies go chunk by chunk (transfer.py): per update, one copy of the gradients to the host and one
+    of the weights back per chunk of `CHUNK_ELEMENTS` values, however many parameters; and the weights are, bit for
+    bit, those of the per-parameter reference written here (fp32 copies of each gradient, clip, DeepSpeed's CPU
+    Adam, each master copied back into its parameter). The default chunk holds the tiny model (105,120 values)
+    whole; chunks of 40,000 split it in 3, with parameters across chunk ends."""
+    from longstraw.train import transfer
+    from longstraw.train.offload import cpu_adam
+
+    copies: list[int] = []
+    real = transfer.host_copy
+    monkeypatch.setattr(transfer, "host_copy", lambda dst, src: (copies.append(src.numel()), real(dst, src)))
+    if chunk is not None:
+        monkeypatch.setattr(transfer, "CHUNK_ELEMENTS", chunk)
+    mixed = dtype == torch.bfloat16
+    cfg = OptimConfig(**OPTIM, offload="cpu", mixed_precision=mixed)
+    model, reference = tiny_model(dtype=dtype), tiny_model(dtype=dtype)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    chunks = -(-numel // (chunk or numel))
+    opt = build_optimizer(model, cfg)
+    assert copies == [min(chunk or numel, numel - c * (chunk or numel)) for c in range(chunks)]  # masters filled
+    per_update = []
+    for update in range(UPDATES):
+        copies.clear()
+        loss_of(model, update).backward()
+        optimizer_step(model, opt, cfg, update, UPDATES)
+        per_update.append(len(copies))
+    assert per_update == [2 * chunks] * UPDATES  # each chunk once to the host and once back
+    assert len(params) == 36 and chunks == (1 if chunk is None else 3)  # per parameter: 2 x 36 copies
+
+    ref = list(reference.parameters())
+    masters = [p.detach().float().clone() for p in ref]
+    adam = cpu_adam(masters, lr=OPTIM["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=OPTIM["weight_decay"])
+    for update in range(UPDATES):
+        loss_of(reference, update).backward()
+        for m, p in zip(masters, ref):
+            m.grad, p.grad = p.grad.float(), None
+        torch.nn.utils.clip_grad_norm_(masters, OPTIM["grad_clip"])
+        adam.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref):
+                p.copy_(m)
+    for p, q, m in zip(params, ref, masters):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["master"], m)
+

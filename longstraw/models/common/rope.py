@@ -91,23 +91,49 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
 
 
 class Rotary(nn.Module):
-    """Computes (cos, sin) for a contiguous range of positions; rotate-half convention (Llama/Qwen)."""
+    """Computes (cos, sin) for a contiguous range of positions; rotate-half convention (Llama/Qwen).
+
+    `inv_freq` is a non-persistent fp32 buffer: it follows the model to its device (`.to`, `.cuda`, `to_empty`, or
+    the device it is built on), so the first compiled call finds it there (a lazy move inside the compiled forward
+    would skip CUDA graphs and recompile), and it stays out of the state dict (HF checkpoints load as they are).
+    Whatever a move asks, it is recomputed from the fp32 CPU values: `model.to(bf16)` does not round it, and a
+    model built on the meta device gets the real values at `to_empty` / `.to(device)`."""
 
     def __init__(self, rope: RopeConfig, dim: int, max_positions: int) -> None:
         super().__init__()
-        # a plain fp32 attribute, not a buffer: model.to(bf16) or meta-device builds must not touch it
-        self.inv_freq, self.scale = inverse_frequencies(rope, dim, max_positions)
+        self._inv_freq_fp32, self.scale = inverse_frequencies(rope, dim, max_positions)  # on the CPU, always
+        # the device the model is built on (the default device, e.g. under `with torch.device("meta")`)
+        self.register_buffer("inv_freq", self._inv_freq_fp32.to(torch.empty(0).device, copy=True), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        # nn.Module's moves and casts (`to`, `cuda`, `to_empty`, `half`, ...) all come here: find only the device
+        # `fn` sends a tensor to, and place the fp32 values there
+        self.inv_freq = self._inv_freq_fp32.to(_destination(fn, self.inv_freq.device), copy=True)
+        return self
 
     def forward(
         self, start: int | torch.Tensor, length: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`start` may be a 0-dim device tensor (the static decode: no host value, the same graph every step)."""
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
+        if self.inv_freq.device != torch.device(device):
+            raise ValueError(f"rotary inv_freq is on {self.inv_freq.device} but the positions are asked on {device}: "
+                             "move the whole model to that device (model.to(device)), not only its parameters")
         pos = torch.arange(length, device=device, dtype=torch.float32) + start  # exact: positions < 2^24
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def _destination(fn, current: torch.device) -> torch.device:
+    """The device nn.Module's tensor function `fn` moves a tensor on `current` to. From the meta device a move
+    that needs the values fails (torch cannot copy out of meta): that is a move to a real device, found with a
+    host probe (the values are recomputed anyway)."""
+    try:
+        return fn(torch.empty(0, device=current)).device
+    except NotImplementedError:
+        if current.type != "meta":
+            raise
+        return fn(torch.empty(0)).device
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
