@@ -5,8 +5,8 @@ path counted as the GPU kernels save them.
 - Attention (dense, gated, absorbed MLA, DSA's sparse attention) saves q, k, v, out and the log-sum-exp on both
   paths (ops/attention.py, ops/sparse_attention.py: flash-style autograd functions), so the CPU measure holds.
 - The gated delta rule (Qwen3.5's linear layers) runs flash-linear-attention's chunk kernel on GPU, which saves
-  q, k (grouped to the value heads), v, their L2-norm factors, the cumulative gate, beta and the chunk-local
-  matrix A [64 per value head]; the torch chunked form on CPU saves about 6x more (its per-chunk matrices). The
+  q, k (at the key heads), their L2-norm factors, v, the cumulative gate, beta and the chunk-local matrix A
+  [64 per value head]; the torch chunked form on CPU saves about 20x more (its per-chunk matrices). The
   proxies count the kernel's tensors in place of the torch form's.
 - Linear layers, norms, the MLP / MoE and the short convolution are the same torch ops on both.
 
@@ -76,12 +76,12 @@ class ActivationProfile:
 
 def fla_saved_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Bytes flash-linear-attention's chunk_gated_delta_rule saves for q, k [B, T, Hk, dk], v [B, T, Hv, dv] in
-    bf16: q and k repeated to the value heads, v, their fp32 L2-norm factors, the fp32 cumulative gate, beta
-    and A [T, Hv, 64] (fla/ops/gated_delta_rule/chunk.py's save_for_backward)."""
-    b, t, hv, dv = v.shape
-    dk = k.shape[-1]
-    rows = b * t * hv
-    return rows * (2 * (2 * dk + dv) + 4 + 4 + 4 + 2 + 2 * FLA_CHUNK)
+    bf16: the L2-normalised q and k at the key heads (grouped value heads need no repeat) with their fp32 norm
+    factors; v, the fp32 cumulative gate, beta and A [T, Hv, 64] at the value heads (fla/ops/gated_delta_rule/
+    chunk.py's save_for_backward)."""
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    return b * t * (hk * 2 * (2 * dk + 4) + hv * (2 * dv + 4 + 2 + 2 * FLA_CHUNK))
 
 
 @contextmanager

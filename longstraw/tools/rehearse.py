@@ -148,22 +148,23 @@ class RehearsalGroup(SequenceParallel):
 
 class _KernelShaped(torch.autograd.Function):
     """The gated delta rule's shapes, saving what flash-linear-attention's chunk kernel saves (fla/ops/
-    gated_delta_rule/chunk.py): q, k at the value heads, v, the norms' fp32 factors, the fp32 gate, beta and A;
-    its backward holds the per-chunk states h and their gradient (bf16, one per 64 tokens) while it runs."""
+    gated_delta_rule/chunk.py): the normalised q, k and their fp32 norm factors at the key heads, v, the fp32
+    gate, beta and A at the value heads; its backward holds the per-chunk states h and their gradient (bf16, one
+    per 64 tokens) while it runs."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state):
         b, t, hv, dv = v.shape
-        rep = hv // k.shape[2]
-        qv, kv = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        factors = [v.new_empty(b, t, hv, dtype=torch.float32) for _ in range(3)]
-        ctx.save_for_backward(qv, kv, v, *factors, beta, v.new_empty(b, t, hv, FLA_CHUNK))
+        normed = [torch.empty_like(q), torch.empty_like(k)]
+        factors = [v.new_empty(b, t, heads, dtype=torch.float32) for heads in (q.shape[2], k.shape[2], hv)]
+        # the kernel's input guard copies a strided v (a view into the layer's projection) before saving it
+        ctx.save_for_backward(*normed, v.contiguous(), *factors, beta, v.new_empty(b, t, hv, FLA_CHUNK))
         ctx.shapes = (q.shape, k.shape, g.shape, None if initial_state is None else initial_state.shape)
         return torch.empty_like(v), v.new_empty(b, hv, k.shape[-1], dv, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        qv, kv, v, *_, beta, _ = ctx.saved_tensors
+        _, _, v, *_, beta, _ = ctx.saved_tensors
         (qs, ks, gs, init), (b, t, hv, dv) = ctx.shapes, v.shape
         states = [v.new_empty(b, -(-t // FLA_CHUNK), hv, ks[-1], dv) for _ in range(2)]  # h and dh
         grads = (v.new_empty(qs), v.new_empty(ks), torch.empty_like(v), v.new_empty(gs, dtype=torch.float32),

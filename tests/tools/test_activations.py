@@ -39,8 +39,10 @@ def test_gpu_profile_counts_the_delta_rule_kernel():
     gpu = {k.name: k.bytes_per_token for k in activation_profile(cfg, gpu=True).kinds}
     assert gpu["full_attention"] == cpu["full_attention"]  # flash-style attention saves the same on both
     assert gpu["linear_attention"] < cpu["linear_attention"]
-    hv, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    kernel = fla_saved_bytes(torch.empty(1, 1, cfg["linear_num_key_heads"], dk), torch.empty(1, 1, 2, dk),
-                             torch.empty(1, 1, hv, dv))
-    assert kernel == hv * (2 * (2 * dk + dv) + 14 + 128)  # q, k, v bf16; 3 fp32 + 1 bf16 per head; A
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    assert hv > hk  # grouped value heads: q and k are saved at the key heads, not repeated to the value heads
+    kernel = fla_saved_bytes(torch.empty(1, 1, hk, dk), torch.empty(1, 1, hk, dk), torch.empty(1, 1, hv, dv))
+    # per key head q, k bf16 and their 2 fp32 norm factors; per value head v bf16, the fp32 gate, beta bf16, A bf16
+    assert kernel == hk * (2 * 2 * dk + 2 * 4) + hv * (2 * dv + 4 + 2 + 2 * 64)
     assert gpu["linear_attention"] >= kernel
