@@ -9,12 +9,16 @@ initial state through autograd). Within a chunk of C tokens starting from S0, wi
     delta = (I + A)^-1 (beta v - beta e^G K S0),   A_ij = beta_i e^(G_i - G_j) k_i.k_j  (j < i)
     O     = (e^G Q) S0 + [e^(G_i - G_j) q_i.k_j]_(j <= i) delta
     S_C   = e^(G_C) S0 + (e^(G_C - G) K)^T delta
-On CUDA with flash-linear-attention installed, `gated_delta_rule` uses its kernels instead.
+On CUDA with flash-linear-attention installed, `gated_delta_rule` uses its kernels instead, except for a backward
+that FLA refuses on this machine (`fla_backward_refused`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +134,12 @@ def split_gated_delta_rule(q, k, v, g, beta, initial_state, group, order: list[i
     return out.to(q.dtype), state
 
 
+def _fla_device(x: Tensor) -> bool:
+    """Whether flash-linear-attention's kernels serve tensors like `x`: CUDA ones. (tests/ops/fla_interpreter.py
+    points this at CPU tensors to run the kernels under Triton's interpreter through this dispatch.)"""
+    return x.is_cuda
+
+
 def _fla_kernel(name: str = "chunk_gated_delta_rule"):
     """flash-linear-attention's `name` from fla.ops.gated_delta_rule (chunk, or fused_recurrent_gated_delta_rule),
     None where it is not installed."""
@@ -139,26 +149,84 @@ def _fla_kernel(name: str = "chunk_gated_delta_rule"):
         return None
 
 
+@functools.cache
+def fla_backward_refused() -> str | None:
+    """Why flash-linear-attention's gated chunk backward would raise in this process, None where it would run (or
+    FLA is not installed). fla-core 0.6.0's `chunk_bwd_dqkwg` (fla/ops/common/chunk_o.py) raises on Hopper with
+    Triton >= 3.4.0 and < 3.7.1, which gives wrong gradients there (FLA issue #640), unless its tilelang backend
+    takes the call first. This reads FLA's own flags from that module (they describe GPU 0, for the whole process,
+    as FLA decides) and asks that backend whether FLA's dispatch would take it: no GPU name list of ours."""
+    try:
+        chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+    except ImportError:
+        return None
+    names = ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")
+    flags = [getattr(chunk_o, name, None) for name in names]
+    if None in flags:  # an FLA without this check (older, or fixed): nothing refused that we know of
+        return None
+    hopper, triton_3_4_0, triton_3_7_1 = flags
+    if not (hopper and triton_3_4_0 and not triton_3_7_1) or (why_not_tilelang := _fla_tilelang_unused()) is None:
+        return None
+    fla_version, triton_version = (getattr(sys.modules.get(m), "__version__", "?") for m in ("fla", "triton"))
+    return (f"flash-linear-attention {fla_version} refuses its gated chunk backward on Hopper with Triton "
+            f"{triton_version} (wrong gradients from Triton >= 3.4.0, < 3.7.1: FLA issue #640) without its tilelang "
+            f"backend, and {why_not_tilelang}; fix: Triton >= 3.7.1, or `pip install tilelang` (with nvcc)")
+
+
+def _fla_tilelang_unused() -> str | None:
+    """Why FLA's dispatch would not hand `chunk_bwd_dqkwg` to its tilelang backend; None where it would."""
+    try:
+        backends = importlib.import_module("fla.backends")
+        tilelang = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend
+    except (ImportError, AttributeError):
+        return "this FLA has no tilelang backend"
+    if getattr(backends, "_DISPATCH_DISABLED", False):
+        return "FLA_DISABLE_BACKEND_DISPATCH=1 bypasses its backends"
+    if not tilelang.is_available():
+        return "tilelang is not available (not installed, or no nvcc for its JIT)"
+    if not tilelang().is_enabled():
+        return "its tilelang backend is disabled (FLA_TILELANG=0)"
+    return None
+
+
+_warned_fla_backward = False
+
+
+def _fla_backward_refused_here(*inputs: Tensor | None) -> bool:
+    """Whether autograd will record this call and FLA would refuse its backward; the first time, a warning."""
+    global _warned_fla_backward
+    if not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in inputs):
+        return False
+    if (reason := fla_backward_refused()) is None:
+        return False
+    if not _warned_fla_backward:  # once per process: every replay and prompt backward would repeat it
+        _warned_fla_backward = True
+        warnings.warn(f"Gated DeltaNet takes the torch chunked rule (correct, slower) wherever a gradient is wanted: "
+                      f"{reason}", RuntimeWarning, stacklevel=3)
+    return True
+
+
 def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tensor]:
     """Dispatch. One token (a decode step) takes the recurrent step: the chunked form would pad it to a whole
     chunk, 64x the work and two triangular solves. On CUDA that step is flash-linear-attention's fused recurrent
     kernel when no gradient is wanted (the kernel has no backward); with autograd, or under torch.compile (which
     fuses the torch step into its own kernel instead of breaking the graph at FLA's), the torch step. Longer
     segments take flash-linear-attention's chunk kernel on CUDA when installed (the `gpu` extra), else the torch
-    chunked form."""
+    chunked form; also where autograd will want a backward that FLA refuses on this machine (`fla_backward_refused`:
+    it would raise in the backward), which warns once. The capture's forward, without autograd, keeps FLA's."""
     if q.shape[1] == 1:
-        if (q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if (_fla_device(q) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and (fla := _fla_kernel("fused_recurrent_gated_delta_rule")) is not None):
             init = None if initial_state is None else initial_state.float()
             return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
                        use_qk_l2norm_in_kernel=True)  # grouped value heads natively, as the torch rule
         return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)
-    if q.is_cuda and (fla := _fla_kernel()) is not None:
-        rep = v.shape[2] // k.shape[2]
-        if rep > 1:  # each key head serves `rep` consecutive value heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    if _fla_device(q) and (fla := _fla_kernel()) is not None and not _fla_backward_refused_here(
+            q, k, v, g, beta, initial_state):
+        # q, k stay at the key heads: FLA's grouped value heads have value head j read key head j // (Hv/Hk), as
+        # the torch rule, and its backward sums dq, dk back to the key heads (checked: tests/ops/fla_interpreter.py)
         init = None if initial_state is None else initial_state.float()
-        o, final = fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
-                       use_qk_l2norm_in_kernel=True)
-        return o, final
+        return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
+                   use_qk_l2norm_in_kernel=True)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
+
