@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # would fetch another torch); its ops compile at first use (JIT, g++ and ninja), cached in .venv/torch_extensions.
 DEEPSPEED_PIN ?= deepspeed>=0.19,<0.20
 
-.PHONY: run test install browser bench clean
+.PHONY: run test install browser bench clean fla-interp
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,35 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The lowest torch we support (pyproject: torch>=2.11), in a second environment: `make test` runs the distributed,
+# ops and engine suites there too, where newer torch APIs meet fallbacks. PyPI's torch 2.11 is its CUDA build (no
+# CPU wheel there; it runs on the CPU); its triton goes, since with triton importable transformers' Qwen3.5
+# reference crashes on CPU. torch and the project resolve in one pip call, so nothing lifts torch past the pin.
+OLDEST_TORCH ?= torch==2.11.0
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+
+$(OLDEST_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q "$(OLDEST_TORCH)" -e ".[dev]"
+	$(OLDEST_PY) -m pip uninstall -q -y triton
+	touch $(OLDEST_STAMP)
+
+# triton and flash-linear-attention for tests/ops/test_fla_interpreter.py, which runs FLA's gated delta rule kernels on
+# CPU under Triton's interpreter in a subprocess with this folder on PYTHONPATH; never in .venv itself (with triton
+# importable, transformers' Qwen3.5 reference breaks on CPU). triton as on the GPU machines; ~660 MB.
+FLA_INTERP := $(VENV)/fla-interp
+FLA_INTERP_PINS ?= triton==3.6.0 fla-core==0.6.0 einops==0.8.2
+
+$(FLA_INTERP)/.installed: | $(STAMP)
+	rm -rf $(FLA_INTERP)
+	$(PY) -m pip install -q --no-deps --target $(FLA_INTERP) $(FLA_INTERP_PINS)
+	touch $@
+
+fla-interp: $(FLA_INTERP)/.installed
 
 # The tiny model is warm-started once (runs/sft-tiny, a few minutes); each `make run` then trains it with GRPO in
 # a fresh run directory. PREFECT_HOME stays inside the project: the embedded Prefect needs no server.
@@ -50,11 +79,12 @@ browser:
 	    || echo "note: installing chromium chromium-driver failed: the browser test will skip"; \
 	  fi; }
 
-test: $(STAMP) browser
+test: $(STAMP) $(OLDEST_STAMP) $(FLA_INTERP)/.installed browser
 	$(PY) -m pytest -q
+	$(OLDEST_PY) -m pytest -q tests/parallel tests/ops tests/engine
 
 bench: $(STAMP)
 	$(PY) bench/grpo_step.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info

@@ -33,6 +33,10 @@ import torch.distributed._functional_collectives as fc
 
 Tensor = torch.Tensor
 
+# The all-gather whose backward sums each rank's block gradient back to its owner: torch 2.13 names it
+# all_gather_single_autograd (and deprecates the old name); torch 2.11 has only all_gather_tensor_autograd.
+_all_gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+
 
 def balanced_ranges(length: int, parts: int) -> list[tuple[int, int]]:
     """`parts` contiguous ranges covering [0, length), sizes differing by at most one (the first ones larger)."""
@@ -244,7 +248,7 @@ class SequenceParallel(SequenceGroup):
         t = pad_to(t, max(sizes), dim)
         self.bytes_communicated += t.nelement() * t.element_size()
         if autograd:
-            whole = fc.all_gather_single_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)
+            whole = _all_gather_autograd(t.unsqueeze(0), 0, self.group or dist.group.WORLD)
             whole = fc.wait_tensor(whole) if isinstance(whole, fc.AsyncCollectiveTensor) else whole
             parts = whole.unbind(0)
         else:

@@ -20,6 +20,7 @@ from longstraw.parallel import SequenceParallel, full_tensor, local_shard, shard
 from longstraw.train.config import OptimConfig
 from longstraw.train.optim import build_optimizer, optimizer_step
 from tests.conftest import GLM, flat_grad, rel_err, tiny_model
+from tests.parallel.fsdp_gathers import watching_weight_gathers
 from tests.parallel.launch import run_ranks
 from tests.parallel.test_sequence_parallel import ADV, CHUNK, PROMPTS, group, layout
 
@@ -154,17 +155,8 @@ def test_zero_stage_and_model_must_agree(case, message):
 def counting_weight_gathers() -> Iterator[list]:
     """Within, each of FSDP2's parameter all-gathers appends to the yielded list."""
     calls = []
-    plain = torch.distributed.all_gather_single
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return plain(*args, **kwargs)
-
-    torch.distributed.all_gather_single = counted  # what FSDP2 gathers parameters with
-    try:
+    with watching_weight_gathers(lambda output: calls.append(1)):
         yield calls
-    finally:
-        torch.distributed.all_gather_single = plain
 
 
 def layer_major_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
