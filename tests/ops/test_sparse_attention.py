@@ -429,21 +429,30 @@ def test_no_host_read_per_query_block():
         one_select=0, split_select=1, split_forward=0, split_backward=0, one_forward=0, one_backward=0), counts
 
 
+def _bf16_case(b: int, t: int, n: int, k: int, seed: int) -> dict:
+    """bf16 attention inputs with their one-rank selection (pos, valid) and split selection (sel, lay)."""
+    iq, ik = index_case(b, t, n, seed=seed)
+    (pos, valid), _ = one_rank_selection(iq, ik, n, k)
+    q, own, prefix, dout = make_inputs(b, t, n, H, D, seed, torch.bfloat16)
+    return dict(q=q, own=own, prefix=prefix, dout=dout[..., :VDIM].contiguous(), pos=pos, valid=valid,
+                sel=split_selection(iq, ik, n, k), lay=split_layout(t, n))
+
+
+def _run_path(path: str, c: dict):
+    if path == "split":
+        return run_split(c["q"], c["own"], c["prefix"], c["sel"], c["lay"], 0.4, VDIM, c["dout"])
+    return run_op(c["q"], c["own"], c["prefix"], c["pos"], c["valid"], 0.4, VDIM, c["dout"])
+
+
 @pytest.mark.parametrize("path", ["one_rank", "split"])
 def test_cuda_branch_multiplies_bf16_into_fp32(path):
     """On CUDA (its branch run here through the bmm stand-in) every product of the attention's forward and backward
     takes bf16 operands into fp32, none upcasts them; results as accurate as bf16 rounding allows."""
-    b, t, n, k = 2, 150, 45, 17
-    iq, ik = index_case(b, t, n, seed=4)
-    (pos, valid), _ = one_rank_selection(iq, ik, n, k)
-    sel, lay = split_selection(iq, ik, n, k), split_layout(t, n)
-    q, own, prefix, dout = make_inputs(b, t, n, H, D, 4, torch.bfloat16)
-    dout = dout[..., :VDIM].contiguous()
+    t = 150
+    case = _bf16_case(2, t, 45, 17, seed=4)
     with bmm_standin.installed() as calls, Products() as products:
-        if path == "split":
-            got = run_split(q, own, prefix, sel, lay, 0.4, VDIM, dout)
-        else:
-            got = run_op(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+        got = _run_path(path, case)
+    q, own, prefix, dout, pos, valid = (case[x] for x in ("q", "own", "prefix", "dout", "pos", "valid"))
     # per query block: scores and P @ V (the one-rank path: one P @ V per part, prefix and own rows); backward:
     # scores, dP, dQ (the one-rank path: per part), dK and dV
     per_block = 2 + 5 if path == "split" else 3 + 6
@@ -459,17 +468,10 @@ def test_cpu_bf16_is_the_fp32_computation(path):
     """On the CPU (no bf16 products into fp32) bf16 inputs are upcast, so the numerics are those of the fp32
     products: the one-rank path returns the fp32 computation on the same values, rounded as the op returns them;
     the split path too but for its partial outputs, which travel between ranks in the model's dtype."""
-    b, t, n, k = 2, 100, 30, 11
-    iq, ik = index_case(b, t, n, seed=5)
-    (pos, valid), _ = one_rank_selection(iq, ik, n, k)
-    sel, lay = split_selection(iq, ik, n, k), split_layout(t, n)
-    q, own, prefix, dout = make_inputs(b, t, n, H, D, 5, torch.bfloat16)
-    dout = dout[..., :VDIM].contiguous()
+    case = _bf16_case(2, 100, 30, 11, seed=5)
     with Products() as products:
-        if path == "split":
-            got = run_split(q, own, prefix, sel, lay, 0.4, VDIM, dout)
-        else:
-            got = run_op(q, own, prefix, pos, valid, 0.4, VDIM, dout)
+        got = _run_path(path, case)
+    q, own, prefix, dout, pos, valid = (case[x] for x in ("q", "own", "prefix", "dout", "pos", "valid"))
     assert products.half == 0 and products.wide > 0
     names = ("out", "dq", "down", "dprefix")
     if path == "one_rank":
