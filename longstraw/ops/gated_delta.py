@@ -229,4 +229,3 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None) -> tuple[Tensor, Tens
         return fla(q, k, v, g=g.float(), beta=beta, initial_state=init, output_final_state=True,
                    use_qk_l2norm_in_kernel=True)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
-

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+from .backend import collective_device
+
 Tensor = torch.Tensor
 
 # The all-gather whose backward sums each rank's block gradient back to its owner: torch 2.13 names it
@@ -188,9 +190,7 @@ class SequenceParallel(SequenceGroup):
         self.dp_rank = 0 if dp is None else dist.get_rank(dp)
         self.dp_size = 1 if dp is None else dist.get_world_size(dp)
         self.bytes_communicated = 0  # payload this rank handed to collectives (for benchmarks)
-        # where the group's own small tensors (checksums, counts, seeds) live: NCCL moves CUDA tensors only
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = collective_device(group)  # where the group's own small tensors (checksums, counts, seeds) live
 
     @classmethod
     def from_mesh(cls, mesh, sp: str = "sp", dp: str | None = "dp") -> "SequenceParallel":

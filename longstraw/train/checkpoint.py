@@ -65,9 +65,9 @@ from ..lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, base_state, has_l
 from ..models import load_model
 from ..models.checkpoint import write_state_dict
 from ..parallel import is_sharded
+from ..parallel.backend import collective_device
 from ..parallel.objects import broadcast_json, gather_json
 from .artifacts import load_tensors
-from .device import collective_device
 
 FORMAT = "longstraw-checkpoint/2"
 OLD_FORMATS = {"longstraw-checkpoint/1": "one process's whole optimizer state in trainer/optimizer.safetensors"}
@@ -93,17 +93,12 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _device() -> torch.device:
-    """Where the JSON collectives' tensors go: the default group's backend (NCCL) moves CUDA tensors only."""
-    return collective_device()
-
-
 def _gather(value) -> list:
-    return gather_json(value, device=_device()) if _distributed() else [value]
+    return gather_json(value, device=collective_device()) if _distributed() else [value]
 
 
 def _broadcast(value):
-    return broadcast_json(value, device=_device()) if _distributed() else value
+    return broadcast_json(value, device=collective_device()) if _distributed() else value
 
 
 def _record(err: BaseException | None) -> dict | None:

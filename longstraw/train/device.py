@@ -1,12 +1,11 @@
-"""Which device a training run computes on (the run config's `device:`), and which device a process group's
-collectives take their tensors on."""
+"""Which device a training run computes on (the run config's `device:`). The device a process group's collectives
+take their tensors on is parallel/backend.py's."""
 
 from __future__ import annotations
 
 import re
 
 import torch
-import torch.distributed as dist
 
 DEVICE_SETTINGS = "auto, cpu, cuda or cuda:N"
 _SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -44,39 +43,3 @@ def run_device(setting: str = "auto") -> torch.device:
         raise ValueError(f"device {setting!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}; "
                          "pick one of them, or set device: cuda (the current one)")
     return torch.device("cuda", index)
-
-
-# Backends whose collectives take accelerator tensors only (a host tensor makes NCCL fail); every other backend
-# here (gloo, mpi, ucc, torch's "fake") takes host tensors.
-_DEVICE_ONLY = {"nccl": "cuda", "xccl": "xpu"}
-
-
-def backend_device(backend: str) -> torch.device:
-    """The device to hand a backend's collectives their tensors on: CUDA for NCCL, the CPU for gloo and the
-    others. A group with one backend per device type ("cpu:gloo,cuda:nccl") takes host tensors as they are."""
-    parts = [part.strip().lower() for part in str(backend).split(",") if part.strip()]
-    if any(part.partition(":")[0] == "cpu" for part in parts if ":" in part):
-        return torch.device("cpu")
-    names = {part.rpartition(":")[2] for part in parts}
-    for name, device in _DEVICE_ONLY.items():
-        if name in names:
-            return torch.device(device)  # the current device of that type (torchrun's ranks set theirs)
-    return torch.device("cpu")
-
-
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device `group`'s (default: the world's) backend reduces on: move a host scalar there before a
-    collective, and its result back."""
-    return backend_device(dist.get_backend(group))
-
-
-def sum_over_ranks(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """In place: `t` summed over `group`'s ranks, whatever device the group's backend takes (a host tensor, e.g.
-    the norm of host-resident gradients or a count, travels to the GPU and back under NCCL). Returns `t`."""
-    where = collective_device(group)
-    if t.device.type == where.type:
-        dist.all_reduce(t, group=group)
-        return t
-    moved = t.to(where)
-    dist.all_reduce(moved, group=group)
-    return t.copy_(moved)

@@ -15,8 +15,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..parallel import ONE_RANK, SequenceGroup, full_tensor, is_sharded, local_shard
+from ..parallel.backend import sum_over_ranks
 from .config import OptimConfig
-from .device import sum_over_ranks
 from .offload import FileTensors, cpu_adam
 from .transfer import HostMirror
 

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from longstraw.train.device import backend_device, collective_device, run_device
+from longstraw.parallel.backend import backend_device, collective_device
+from longstraw.train.device import run_device
 from longstraw.train.worker import Worker
 from tests.train.test_train_inputs import make_cfg
 
