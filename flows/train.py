@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 from tqdm.auto import tqdm
 
 from longstraw.files import Artefact, CorruptArtefact
+from longstraw.grpo.advantages import needs_batch
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train import spmd
 from longstraw.train.checkpoint import latest_checkpoint
@@ -76,8 +77,10 @@ def _mean(xs: list[float]) -> float:
 def grpo_step(config: dict, step: int, weights_version: str, reference_version: str | None,
               parent_run_id: str | None = None) -> dict:
     """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
-    -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. `weights_version` is the
-    lineage id of the weights the ranks hold at the step's start, `reference_version` that of the KL reference."""
+    -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. When an advantage needs every
+    group's rewards (`needs_batch`), epoch 0 scores all groups first, then computes advantages, then replays.
+    `weights_version` is the lineage id of the weights the ranks hold at the step's start, `reference_version` that
+    of the KL reference."""
     cfg = TrainConfig.model_validate(config)
     t0 = time.perf_counter()
     run = partial(_run, cfg=cfg, parent=parent_run_id)
@@ -86,28 +89,45 @@ def grpo_step(config: dict, step: int, weights_version: str, reference_version: 
     rolls: dict[int, dict] = {}
     refs: dict[int, dict | None] = {}
     rews: dict[int, dict] = {}
+    advs: dict[int, dict] = {}  # the records the replays read: the reward's, or the batch advantages'
     replays: list[dict] = []
     prompts: list[dict] = []
     opt: dict = {}
+
+    def backward(g: int, epoch: int, state: dict) -> None:
+        for slices in branch_slices(cfg):
+            replays.append(run(stages.replay, dict(
+                weights_version=weights_version, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(advs[g]),
+                reference=_artefact(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
+        if cfg.mode == "exact":
+            prompts.append(run(stages.prompt, dict(weights_version=weights_version, state=state, step=step, group=g,
+                                                   epoch=epoch)))
+
     for epoch in range(cfg.epochs):
-        for g in range(cfg.groups):  # one group at a time: one prefix state and one dState resident
+        # one group at a time: one prefix state and one dState resident; batch advantages defer epoch 0's replays
+        # until every group is scored, each replay then reading its group's state back from the store
+        deferred = epoch == 0 and needs_batch(cfg.grpo.scale_rewards, cfg.grpo.multi_objective_aggregation)
+        states: dict[int, dict] = {}
+        for g in range(cfg.groups):
             # epoch > 0: the weights changed, so the prompt is captured again with them
             caps.append(run(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch)))
-            state = _state(caps[-1])
+            states[g] = _state(caps[-1])
             if epoch == 0:
-                rolls[g] = run(stages.rollout, dict(weights_version=weights_version, state=state, step=step, group=g))
+                rolls[g] = run(stages.rollout, dict(weights_version=weights_version, state=states[g], step=step,
+                                                    group=g))
                 refs[g] = None
                 if cfg.grpo.kl_coef > 0:
-                    refs[g] = run(stages.reference, dict(reference_version=reference_version, state=state,
+                    refs[g] = run(stages.reference, dict(reference_version=reference_version, state=states[g],
                                                          rollout=_artefact(rolls[g]), step=step, group=g))
-                rews[g] = run(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
-            for slices in branch_slices(cfg):
-                replays.append(run(stages.replay, dict(
-                    weights_version=weights_version, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(rews[g]),
-                    reference=_artefact(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
-            if cfg.mode == "exact":
-                prompts.append(run(stages.prompt, dict(weights_version=weights_version, state=state, step=step, group=g,
-                                                       epoch=epoch)))
+                rews[g] = advs[g] = run(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
+            if not deferred:
+                backward(g, epoch, states[g])
+        if deferred:
+            scored = [_artefact(rews[g]) for g in range(cfg.groups)]
+            for g in range(cfg.groups):
+                advs[g] = run(stages.advantages, dict(rewards=scored, step=step, group=g))
+            for g in range(cfg.groups):
+                backward(g, epoch, states[g])
         done = (cfg, caps, list(rolls.values()), list(rews.values()), replays, prompts)
         opt = run(stages.optimizer, dict(weights_version=weights_version, update=update + epoch, step=step,
                                          record=_metrics(*done, time.perf_counter() - t0)))
@@ -125,6 +145,7 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         "reward_std": _mean([r["reward_std"] for r in rews]),
         "accuracy": _mean([r["accuracy"] for r in rews]),
         "reward_failures": sum(r["reward_failures"] for r in rews),
+        "reward_unscorable": sum(r["reward_unscorable"] for r in rews),
         "loss": sum(r["loss"] for r in replays) / cfg.groups / cfg.epochs,
         "kl": sum(r["kl_sum"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
         "clip_frac": sum(r["clipped_tokens"] for r in replays) / max(sum(r["tokens"] for r in replays), 1),
@@ -139,11 +160,36 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         "reward_seconds": sum(r["seconds"] for r in rews),
         "replay_seconds": sum(r["seconds"] for r in replays),
     }
+    for key in sorted({k for r in rews for k in r if k.startswith("rewards/")}):  # each reward function's mean
+        m[key] = _mean([r[key] for r in rews if key in r])
+    m |= _sampler_mismatch(cfg, replays)
+    tokens = max(sum(r["tokens"] for r in replays), 1)
+    if cfg.grpo.off_policy_mask_threshold is not None:  # responses the off-policy mask dropped, per epoch
+        m["off_policy_masked"] = sum(r["off_policy_masked"] for r in replays) / cfg.epochs
+    if cfg.grpo.top_entropy_quantile < 1.0:  # the share of tokens the policy loss kept
+        m["entropy_kept_frac"] = sum(r["entropy_kept_tokens"] for r in replays) / tokens
     if cfg.mode == "exact":
         m["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
     if opt is not None:
         m |= {"grad_norm": opt["grad_norm"], "skipped_updates": opt.get("skipped", 0.0), "lr": opt["lr"],
               "optimizer_seconds": opt["seconds"]}
+    return m
+
+
+def _sampler_mismatch(cfg: TrainConfig, replays: list[dict]) -> dict:
+    """How far the trainer's log-probs of the sampled tokens are from the sampler's, over the tokens the replays
+    compared (`sampler_tokens`: those of the answers replayed with the rollout's sampler log-probs): mean and max
+    |sampler - trainer|, the k3 KL estimate per token, and with `grpo.rollout_correction` the mean importance weight
+    it applied. Empty when no token was compared (a rollout stored without them)."""
+    tokens = sum(r.get("sampler_tokens", 0.0) for r in replays)
+    if tokens == 0:
+        return {}
+    compared = [r for r in replays if r.get("sampler_tokens", 0.0) > 0]
+    m = {"sampler_logp_diff_mean": sum(r["mismatch_abs_sum"] for r in compared) / tokens,
+         "sampler_logp_diff_max": max(r["mismatch_abs_max"] for r in compared),
+         "sampler_kl": sum(r["mismatch_kl_sum"] for r in compared) / tokens}
+    if cfg.grpo.rollout_correction != "off":
+        m["correction_weight_mean"] = sum(r["correction_weight_sum"] for r in compared) / tokens
     return m
 
 

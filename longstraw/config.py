@@ -131,13 +131,30 @@ def with_overrides(data: dict, overrides: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path, cls: type[C], overrides: dict | None = None) -> C:
-    """Read a YAML file into `cls`, with `overrides` (e.g. from the command line; a dict value updates the section
-    of that name) applied before validation; errors name the file and the offending field."""
+def read_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML config as a dict. `base: other.yaml` (relative to this file) reads that one first and applies this
+    file's keys over it (a section updates the base's section of that name), so a recipe states only what differs."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {p} not found")
-    data = with_overrides(yaml.safe_load(p.read_text()) or {}, overrides or {})
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} holds a {type(data).__name__}, not a mapping of settings")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    parent = (p.parent / str(base)).resolve()
+    if parent in seen or parent == p.resolve():
+        raise ValueError(f"config file {p}: base {base!r} includes itself")
+    return with_overrides(read_yaml(parent, (*seen, p.resolve())), data)
+
+
+def load_config(path: str | Path, cls: type[C], overrides: dict | None = None) -> C:
+    """Read a YAML file (and its `base:` chain, `read_yaml`) into `cls`, with `overrides` (e.g. from the command
+    line; a dict value updates the section of that name) applied before validation; errors name the file and the
+    offending field."""
+    p = Path(path)
+    data = with_overrides(read_yaml(p), overrides or {})
     try:
         return cls.model_validate(data)
     except ValidationError as e:

@@ -17,11 +17,17 @@ from .state import DecodeCache, LayerState, PrefixState, PrefixView, Segment
 @dataclass
 class Sample:
     """One sampled response: its tokens, the model's log-probability of each (temperature 1, before any top-k /
-    top-p filtering: what `score()` returns and GRPO's old_logprobs need), and why it ended."""
+    top-p filtering: what `score()` returns and GRPO's old_logprobs need), the log-probability of each under the
+    distribution it was actually drawn from (tempered, top-k and top-p filtered; 0 for greedy, a point mass: what
+    the sampler/trainer mismatch and its correction compare against), and why it ended."""
 
     tokens: torch.Tensor  # [R] int64
     logprobs: torch.Tensor  # [R] fp32
+    sampler_logprobs: torch.Tensor  # [R] fp32
     finish_reason: str  # "stop" (a stop id was sampled, and kept as the last token) or "length"
+    # rollout(record_routing=True): by MoE layer, the experts [R, top_k] each decode step sent its input token to
+    # (the inputs a replay feeds: the prompt's last token, then the response but its last token); uint8 up to 256
+    routing: dict[int, torch.Tensor] | None = None
 
 
 def sample_no_sync(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -81,6 +87,7 @@ def rollout(
     compile: bool | str = False,
     static_shapes: bool = False,
     first_branch: int = 0,
+    record_routing: bool = False,
 ) -> list[Sample]:
     """Generate `n` responses to the captured prompt.
 
@@ -99,6 +106,9 @@ def rollout(
     preallocated own-token buffers behind a mask, at a position kept on the device, so all steps are one graph
     (with inductor on CUDA, replayed as a CUDA graph); the same tokens up to rounding, for a little more attention
     work over the not yet written rows (at most `max_new_tokens` of them, against a prefix of millions).
+
+    `record_routing` (MoE routing replay, engine/routing.py): each sample's `routing` holds the experts every
+    decode step routed its input token to, which a replay of the sample then takes instead of re-routing.
     """
     check_state(model, state, parallel)
     if stop_check_every < 1:
@@ -119,7 +129,8 @@ def rollout(
     parallel.check_agree("rollout settings", {
         "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "stop_ids": sorted(set(stop_ids)), "stop_check_every": stop_check_every, "static_shapes": static_shapes,
-        "compile": compile, "dtype": str(state.layers[0].tensors()[0].dtype)})
+        "compile": compile, "dtype": str(state.layers[0].tensors()[0].dtype),
+        "record_routing": record_routing})
     p = next(model.parameters())
     forward = compiled_decoder(model, "inductor" if compile is True else compile, static_shapes) if compile else model
     device = state.prompt_ids.device
@@ -141,13 +152,17 @@ def rollout(
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     tokens = torch.full((n, 1), state.last_token, dtype=torch.long, device=device)
-    out_tokens, out_logps = [], []
+    routed = []
+    out_tokens, out_logps, out_sampler = [], [], []
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         cache.filled = t if step is None else step
         view = PrefixView(prefix, state.length, rows=state.rows, parallel=parallel)
-        seg = Segment(start=state.length + cache.filled, prefix=view, cache=cache, collect=True)
+        seg = Segment(start=state.length + cache.filled, prefix=view, cache=cache, collect=True,
+                      record_routing=record_routing)
         logits = forward(tokens, seg)[:, -1].float()
+        if record_routing:
+            routed.append(_step_routing(seg))
         prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
         if step is not None:
             prefix = _dense(prefix)
@@ -155,12 +170,17 @@ def rollout(
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            nxt = sample_no_sync(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), gens)
+            drawn_from = _filter_logits(logits, temperature, top_k, top_p)
+            nxt = sample_no_sync(drawn_from.softmax(-1), gens)
         # the group decodes on in step only if its ranks hold the same tokens; kernels that are not bitwise
         # deterministic can make a near-tie come out differently on two GPUs: rank 0's tokens are the group's
         nxt = parallel.broadcast_(nxt, 0)
         out_tokens.append(nxt)
         out_logps.append(logp.gather(-1, nxt[:, None])[:, 0])
+        if temperature == 0:
+            out_sampler.append(torch.zeros_like(out_logps[-1]))  # greedy draws from a point mass
+        else:  # the drawn token's logit minus the log-normaliser: no [n, V] log-softmax kept
+            out_sampler.append(drawn_from.gather(-1, nxt[:, None])[:, 0] - drawn_from.logsumexp(-1))
         done = done | torch.isin(nxt, stops)
         # asking whether all rows stopped waits for the device: ask every `stop_check_every` tokens (rows that
         # stopped decode on meanwhile; what follows their stop token is cut off below)
@@ -169,7 +189,8 @@ def rollout(
         tokens = nxt[:, None]
         if step is not None:
             step.add_(1)
-    return _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), stops)
+    samples = _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), torch.stack(out_sampler, 1), stops)
+    return _with_routing(samples, routed, parallel) if record_routing else samples
 
 
 def _dense(states: list[LayerState]) -> list[LayerState]:
@@ -185,13 +206,28 @@ def _all_stopped(done: torch.Tensor, parallel: SequenceGroup) -> bool:
     return int(parallel.dp_sum_(left)) == 0
 
 
-def _samples(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor) -> list[Sample]:
+def _samples(tokens: torch.Tensor, logps: torch.Tensor, sampler_logps: torch.Tensor, stops: torch.Tensor
+             ) -> list[Sample]:
     samples = []
-    for row, lp in zip(tokens, logps):
+    for row, lp, slp in zip(tokens, logps, sampler_logps):
         hit = torch.isin(row, stops).nonzero()
-        if len(hit):
-            end = int(hit[0]) + 1
-            samples.append(Sample(row[:end].cpu(), lp[:end].cpu(), "stop"))
-        else:
-            samples.append(Sample(row.cpu(), lp.cpu(), "length"))
+        end = int(hit[0]) + 1 if len(hit) else row.numel()
+        samples.append(Sample(row[:end].cpu(), lp[:end].cpu(), slp[:end].cpu(), "stop" if len(hit) else "length"))
+    return samples
+
+
+def _step_routing(seg: Segment) -> dict[int, torch.Tensor]:
+    """A decode step's routing of its one input token per branch, [n, top_k] by MoE layer, copied out (a CUDA
+    graph's outputs are overwritten by its next replay)."""
+    return {j: ids[:, -1].clone() for j, ids in seg.routed.items()}
+
+
+def _with_routing(samples: list[Sample], steps: list[dict[int, torch.Tensor]], parallel: SequenceGroup
+                  ) -> list[Sample]:
+    """The samples with their routing [R, top_k] by MoE layer, from each step's [n, top_k]; rank 0's on every rank
+    of the group (as its tokens: a near-tie of a router may fall differently on two GPUs)."""
+    layers = {j: parallel.broadcast_(torch.stack([s[j] for s in steps], 1).long(), 0).to(steps[0][j].dtype)
+              for j in steps[0]} if steps else {}
+    for i, sample in enumerate(samples):
+        sample.routing = {j: t[i, : sample.tokens.numel()].cpu() for j, t in layers.items()}
     return samples

@@ -16,6 +16,8 @@ A shard group holds
     layers/{i}/k, layers/{i}/v           attention: [kv_heads, rows, head_dim]
     layers/{i}/kv, layers/{i}/index_k    MLA latent [rows, kv_lora_rank + rope_dim], DSA indexer key [rows, dim]
     layers/{i}/conv, layers/{i}/ssm      Gated DeltaNet: fixed size, one chunk each
+    routing/{j}                          MoE routing replay: the experts [rows, top_k] of MoE layer j (uint8 up
+                                         to 256 experts), when capture recorded them
 
 with the per-token arrays chunked along the token axis by `shard_tokens` (`store._write_tensor`).
 
@@ -76,6 +78,10 @@ def save_state_shard(state: PrefixState, url: str, rank: int, *, weights_version
     for i, layer in enumerate(state.layers):
         if layer.token_axis is not None and (rows := layer.tensors()[0].shape[-2]) != state.rows.rows:
             raise ValueError(f"layer {i} holds {rows} rows, but the state's blocks have {state.rows.rows}")
+    for j, ids in (state.routing or {}).items():
+        if ids.shape[0] != state.rows.rows:
+            raise ValueError(f"the routing of MoE layer {j} holds {ids.shape[0]} rows, but the state's blocks have "
+                             f"{state.rows.rows}")
 
     def write(root: zarr.Group) -> dict:
         prompt = _write_tensor(root, "prompt_ids", state.prompt_ids.to(torch.int64), None)
@@ -85,11 +91,14 @@ def save_state_shard(state: PrefixState, url: str, rank: int, *, weights_version
         boundaries = {str(c): {str(j): _write_layer(root.require_group(f"boundaries/{c}/{j}"), s, None)
                                for j, s in sorted(states.items())}
                       for c, states in sorted(state.boundaries.items())}
+        routing = None if state.routing is None else \
+            {str(j): _write_tensor(root, f"routing/{j}", t, shard_tokens) for j, t in sorted(state.routing.items())}
         name, version = SHARD_FORMAT
         return {"format": name, "format_version": version, "model_fingerprint": state.model_fingerprint,
                 "weights_version": weights_version, "shard_tokens": shard_tokens, "length": state.length,
                 "rank": rank, "blocks": blocks, "prompt_ids": prompt, "chunks": [list(c) for c in state.chunks],
-                "layers": layers, "boundary_every": state.boundary_every, "boundaries": boundaries}
+                "layers": layers, "boundary_every": state.boundary_every, "boundaries": boundaries,
+                "routing": routing}
 
     manifest = _write_committed(shard_url(url, rank), storage_options, write)
     return {"rank": rank, "blocks": blocks, "sha256": manifest_digest(manifest)}
@@ -208,10 +217,14 @@ def load_state_shard(url: str, rank: int = 0, ranks: int = 1, *, model: nn.Modul
         layers = [layer(f"layers/{i}", spec) for i, spec in enumerate(manifest["layers"])]
         boundaries = {int(c): {int(j): layer(f"boundaries/{c}/{j}", spec) for j, spec in states.items()}
                       for c, states in manifest["boundaries"].items()}
+        # a shard stored before routing replay existed has no "routing": none recorded
+        stored_routing = manifest.get("routing")
+        routing = None if stored_routing is None else \
+            {int(j): read(f"routing/{j}", spec) for j, spec in stored_routing.items()}
     except CorruptArtefact as e:
         raise CorruptArtefact(str(e), url) from e
     chunks = [tuple(c) for c in manifest["chunks"]]
     rows = RowMap(tuple(tuple(block) for block in manifest["blocks"]))
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
-                       rows=rows, boundary_every=manifest["boundary_every"])
+                       rows=rows, boundary_every=manifest["boundary_every"], routing=routing)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import fsspec
 import google_crc32c
@@ -207,15 +208,31 @@ def read_manifest(url: str, storage_options: dict | None, fmt: tuple[str, int], 
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------
 
+# Version 2 with the sampler's log-probs added as an optional array: a rollout stored before it still reads (its
+# `sampler_logprobs` None), and an older reader of a newer rollout reads what it knows and ignores the rest.
 ROLLOUT_FORMAT = ("longstraw.rollout", 2)
 
 
+class StoredRollout(NamedTuple):
+    """A group's sampled answers as stored: token ids, their log-probs at temperature 1 (GRPO's old log-probs), the
+    log-probs under the distribution they were drawn from (None in a rollout stored before they were kept), and
+    the JSON meta (texts, finish reasons, the example)."""
+
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    sampler_logprobs: list[torch.Tensor] | None
+    meta: dict
+
+
 def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.Tensor], meta: dict, *,
-                 storage_options: dict | None = None) -> dict:
-    """Store a group's sampled responses (token ids), their sampling log-probs and a JSON-able `meta` (texts,
-    finish reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state."""
-    if len(responses) != len(logprobs) or any(r.numel() != lp.numel() for r, lp in zip(responses, logprobs)):
-        raise ValueError("save_rollout needs one log-prob per response token")
+                 sampler_logprobs: list[torch.Tensor] | None = None, storage_options: dict | None = None) -> dict:
+    """Store a group's sampled responses (token ids), their log-probs (temperature 1), the sampler's log-probs
+    (under the tempered, filtered distribution each token was drawn from) and a JSON-able `meta` (texts, finish
+    reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state."""
+    per_token = {"log-prob": logprobs} | ({} if sampler_logprobs is None else {"sampler log-prob": sampler_logprobs})
+    for what, values in per_token.items():
+        if len(responses) != len(values) or any(r.numel() != v.numel() for r, v in zip(responses, values)):
+            raise ValueError(f"save_rollout needs one {what} per response token")
     lengths = torch.tensor([r.numel() for r in responses], dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
 
@@ -225,6 +242,9 @@ def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.T
             "logprobs": _write_tensor(root, "logprobs", torch.cat(logprobs).float().cpu(), None),
             "offsets": _write_tensor(root, "offsets", offsets, None),
         }
+        if sampler_logprobs is not None:
+            arrays["sampler_logprobs"] = _write_tensor(root, "sampler_logprobs",
+                                                       torch.cat(sampler_logprobs).float().cpu(), None)
         name, version = ROLLOUT_FORMAT
         return {"format": name, "format_version": version, "responses": len(responses), "arrays": arrays,
                 "meta": meta}
@@ -232,10 +252,9 @@ def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.T
     return _write_committed(url, storage_options, write)
 
 
-def load_rollout(url: str, *, storage_options: dict | None = None, digest: str | None = None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(responses, sampling log-probs, meta) of the committed rollout at `url`; every file's checksum verified
-    (and the manifest against `digest`, see `read_manifest`)."""
+def load_rollout(url: str, *, storage_options: dict | None = None, digest: str | None = None) -> StoredRollout:
+    """The committed rollout at `url`; every file's checksum verified (and the manifest against `digest`, see
+    `read_manifest`)."""
     url = url.rstrip("/")
     manifest = read_manifest(url, storage_options, ROLLOUT_FORMAT, "rollout", digest)
     store = _ChecksumStore(_zarr_store(url, storage_options, read_only=True), manifest["checksums"], url, True,
@@ -244,6 +263,7 @@ def load_rollout(url: str, *, storage_options: dict | None = None, digest: str |
     arrays = {k: _to_torch(root[k][...], _dtype(spec["dtype"]), torch.device("cpu"))
               for k, spec in manifest["arrays"].items()}
     o = arrays["offsets"].tolist()
-    rows = range(manifest["responses"])
-    return ([arrays["tokens"][o[i] : o[i + 1]] for i in rows], [arrays["logprobs"][o[i] : o[i + 1]] for i in rows],
-            manifest["meta"])
+    rows = lambda a: [a[o[i] : o[i + 1]] for i in range(manifest["responses"])]  # noqa: E731
+    sampler = arrays.get("sampler_logprobs")
+    return StoredRollout(rows(arrays["tokens"]), rows(arrays["logprobs"]), None if sampler is None else rows(sampler),
+                         manifest["meta"])

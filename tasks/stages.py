@@ -6,8 +6,8 @@ computed here, on rank 0 alone.
 Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
 and its inputs (the config, which holds the run directory and the mesh, without the placement on nodes; the
 weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
-`<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward) are cached, so a
-resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
+`<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward, advantages) are
+cached, so a resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
 gradients; the optimizer step) are never cached, since a fresh job holds none of it, and run again on resume from
 the stored state and rollout. After any change to the library the cached stages run again too. Retries with
 exponential backoff cover transient I/O errors in rank-0 stages, and every stage at nproc 1 (on N ranks a failed
@@ -127,6 +127,9 @@ reference = _op("reference", cached=True)
 # rank 0 alone; the module's function read at call time, so that a test may wrap it
 reward = _stage("reward", inputs.reward_stage, cached=True, on_ranks=False,
                 execute=lambda cfg, params: measured(inputs.reward_stage, cfg, **params))
+# rank 0 alone, when an advantage needs every group's rewards (scale_rewards batch, normalize_then_sum)
+advantages = _stage("advantages", inputs.advantage_stage, cached=True, on_ranks=False,
+                    execute=lambda cfg, params: measured(inputs.advantage_stage, cfg, **params))
 replay = _op("replay", cached=False)
 prompt = _op("prompt", cached=False)
 optimizer = _op("optimizer", cached=False)

@@ -7,6 +7,8 @@ Every fenced block of the README is either run here or tagged as not run:
   of their namespaces). "Several ranks" runs as a one-rank torchrun job would: gloo, world size 1.
 - bare ``` (or ```bash) blocks must be `$ longstraw state-size ...` / `$ longstraw plan ...` transcripts: every
   `$ ` line runs through the CLI entry point and must exit 0 with output starting with the README's next line.
+- ```yaml blocks are excerpts of a config in configs/: the first line names it (`# configs/x.yaml`), every other
+  line appears in that file, in order, and the file loads as a run config.
 - ```text (output, layouts) and ```console (commands too slow for a test: `make run`, `longstraw train`,
   `longstraw plan` at the real sizes, 35-45 s each) are not run.
 Any other block fails `test_every_block_is_run_or_tagged`, so a new example cannot go untested silently.
@@ -75,7 +77,7 @@ SHELL_BLOCKS = [b for b in BLOCKS if b.tag in SHELL]
 def test_every_block_is_run_or_tagged():
     untested = []
     for b in BLOCKS:
-        if b.tag == "python" or b.tag in NOT_RUN:
+        if b.tag in ("python", "yaml") or b.tag in NOT_RUN:
             continue
         if b.tag in SHELL and b.text.startswith(COMMANDS):
             continue
@@ -193,3 +195,19 @@ def test_shell_blocks_run(block, monkeypatch):
             code = main(argv[1:])
         assert code in (0, None), f"{command!r} exited {code}"
         assert out.getvalue().startswith(header), f"{command!r} printed:\n{out.getvalue()}\nREADME shows:\n{header}"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.tag == "yaml"], ids=lambda b: f"line{b.line}")
+def test_yaml_blocks_are_excerpts_of_configs_that_load(block):
+    from longstraw.config import load_config
+    from longstraw.train.config import TrainConfig
+
+    first, *lines = block.text.splitlines()
+    assert first.startswith("# configs/"), f"README.md:{block.line}: a yaml block names its file on its first line"
+    path = ROOT / first[2:].strip()
+    have = path.read_text().splitlines()
+    at = 0
+    for line in lines:
+        assert line in have[at:], f"README.md:{block.line}: {line!r} is not in {path.name} (after line {at})"
+        at = have.index(line, at) + 1
+    load_config(path, TrainConfig)

@@ -1,5 +1,7 @@
 """rollout(): batched sampling of n branches from one shared prefix state."""
 
+import math
+
 import pytest
 import torch
 
@@ -39,6 +41,7 @@ def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
         assert torch.equal(a.tokens, b.tokens)
         assert a.finish_reason == b.finish_reason
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5, rtol=0)
     if temperature > 0:
         assert len({tuple(s.tokens.tolist()) for s in batch}) > 1  # branches really differ
 
@@ -147,7 +150,7 @@ def test_stop_checks_every_k_tokens_give_the_same_samples():
     assert any(s.finish_reason == "stop" for s in every)
     for a, b in zip(every, sparse):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
-        assert a.finish_reason == b.finish_reason
+        assert torch.equal(a.sampler_logprobs, b.sampler_logprobs) and a.finish_reason == b.finish_reason
     with pytest.raises(ValueError, match="stop_check_every"):
         ls.rollout(model, state, stop_check_every=0, **kw)
 
@@ -162,6 +165,67 @@ def test_branch_slices_draw_what_one_call_draws():
     for a, b in zip(whole, slices, strict=True):
         assert torch.equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5, rtol=0)
     assert not torch.equal(slices[0].tokens, slices[2].tokens)  # the second slice did not redraw the first
     with pytest.raises(ValueError, match="first_branch"):
         ls.rollout(model, state, n=2, first_branch=-1, **kw)
+
+
+def drawn_logprobs(logits: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """The sampling distribution of one step written out plainly, in float64: {token: log-prob} over the tokens it
+    keeps. Tempered logits; the top_k largest; of those (renormalised), the fewest most likely whose mass reaches
+    top_p."""
+    scaled = [x / temperature for x in logits]
+    ranked = sorted(range(len(scaled)), key=lambda j: -scaled[j])
+    kept = ranked[:top_k] if top_k else ranked
+    z = sum(math.exp(scaled[j] - scaled[kept[0]]) for j in kept)
+    nucleus, mass = [], 0.0
+    for j in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(j)
+        mass += math.exp(scaled[j] - scaled[kept[0]]) / z
+    log_z = scaled[nucleus[0]] + math.log(sum(math.exp(scaled[j] - scaled[nucleus[0]]) for j in nucleus))
+    return {j: scaled[j] - log_z for j in nucleus}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampler_logprobs_are_those_of_the_filtered_distribution(arch):
+    """Each token's sampler log-prob is its log-prob under the tempered, top-k and top-p filtered distribution
+    of its step: recomputed from a plain forward of prompt + response and the filter written out above."""
+    model = model_for(arch)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # peaked enough that top-p 0.8 cuts the vocab, not so much as to break ties
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2))
+    state = ls.capture(model, prompt, 16)
+    temperature, top_k, top_p = 0.7, 20, 0.8
+    samples = ls.rollout(model, state, n=3, max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=1)
+    cut = []
+    for s in samples:
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, s.tokens[:-1]])[None])[0, len(prompt) - 1 :].double()
+        want = []
+        for row, token in zip(logits.tolist(), s.tokens.tolist(), strict=True):
+            dist = drawn_logprobs(row, temperature, top_k, top_p)
+            assert token in dist  # never drawn outside the filter
+            want.append(dist[token])
+            cut.append(len(dist))
+        assert s.sampler_logprobs.dtype == torch.float32 and s.sampler_logprobs.shape == s.tokens.shape
+        torch.testing.assert_close(s.sampler_logprobs.double(), torch.tensor(want, dtype=torch.float64),
+                                   atol=1e-4, rtol=0)
+        assert not torch.allclose(s.sampler_logprobs, s.logprobs, atol=1e-2)  # not the temperature-1 log-probs
+    assert max(cut) <= top_k and min(cut) < top_k  # top-k and top-p both cut somewhere
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+def test_sampler_logprobs_at_temperature_1_unfiltered_and_greedy(arch):
+    """Drawn from the model's own distribution, the sampler's log-probs are the model's; greedy draws from a point
+    mass: 0 for every token (the temperature-1 log-probs stay the model's)."""
+    model = model_for(arch)
+    state = ls.capture(model, torch.randint(0, 97, (30,)), 16)
+    for s in ls.rollout(model, state, n=3, max_new_tokens=8, temperature=1.0, seed=4):
+        torch.testing.assert_close(s.sampler_logprobs, s.logprobs, atol=1e-6, rtol=0)
+    for s in ls.rollout(model, state, n=2, max_new_tokens=8, temperature=0.0, stop_ids=[3]):
+        assert torch.equal(s.sampler_logprobs, torch.zeros(len(s.tokens)))
+        assert (s.logprobs < 0).all()

@@ -277,10 +277,10 @@ def test_rollout_round_trip_corruption_and_bad_input(tmp_path):
     logps = [torch.randn(r.numel()) for r in responses]
     url = str(tmp_path / "rollouts" / "g0")
     save_rollout(url, responses, logps, {"texts": ["a", "b", "c"], "finish_reasons": ["stop", "length", "length"]})
-    got_r, got_lp, meta = load_rollout(url)
+    got_r, got_lp, got_sampler, meta = load_rollout(url)
     assert all(torch.equal(a, b) for a, b in zip(got_r, responses)) and len(got_r) == 3
     assert all(torch.equal(a, b) for a, b in zip(got_lp, logps))
-    assert meta["texts"] == ["a", "b", "c"]
+    assert meta["texts"] == ["a", "b", "c"] and got_sampler is None  # none given
     shard = tmp_path / "rollouts" / "g0" / "logprobs" / "c" / "0"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x10
@@ -291,3 +291,51 @@ def test_rollout_round_trip_corruption_and_bad_input(tmp_path):
         save_rollout(url, responses, logps[:2], {})
     with pytest.raises(ValueError, match="no committed rollout"):
         load_rollout(str(tmp_path / "nothing"))
+
+
+def test_rollout_keeps_the_sampler_logprobs_and_verifies_them(tmp_path):
+    """The sampler's log-probs round-trip bitwise beside the others, the checksums and the digest cover them, and
+    they must match the responses' lengths."""
+    from longstraw.store import load_rollout, save_rollout
+
+    responses = [torch.tensor([5, 2, 258]), torch.tensor([7]), torch.tensor([1, 2, 3, 4])]
+    logps = [torch.randn(r.numel()) for r in responses]
+    sampler = [torch.randn(r.numel()) for r in responses]
+    url = str(tmp_path / "g0")
+    manifest = save_rollout(url, responses, logps, {"finish_reasons": ["stop", "length", "length"]},
+                            sampler_logprobs=sampler)
+    assert manifest["arrays"]["sampler_logprobs"] == {"shape": [8], "dtype": "float32"}
+    got = load_rollout(url, digest=manifest_digest(manifest))
+    assert all(torch.equal(a, b) for a, b in zip(got.sampler_logprobs, sampler, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got.logprobs, logps, strict=True))
+    assert [r.tolist() for r in got.responses] == [r.tolist() for r in responses]
+    assert got.meta["finish_reasons"] == ["stop", "length", "length"]
+
+    shard = tmp_path / "g0" / "sampler_logprobs" / "c" / "0"
+    clean = shard.read_bytes()
+    shard.write_bytes(clean[:-1] + bytes([clean[-1] ^ 0x04]))
+    with pytest.raises(CorruptArtefact, match="shard 'sampler_logprobs/c/0' is corrupted"):
+        load_rollout(url)
+    shard.write_bytes(clean)
+    edited = json.loads((tmp_path / "g0" / "manifest.json").read_text())
+    edited["arrays"]["sampler_logprobs"]["dtype"] = "float64"
+    with pytest.raises(CorruptArtefact, match="manifest changed"):
+        load_rollout(url, digest=manifest_digest(edited))
+    with pytest.raises(ValueError, match="one sampler log-prob per response token"):
+        save_rollout(url, responses, logps, {}, sampler_logprobs=[sampler[0], sampler[1], sampler[2][:3]])
+
+
+# A rollout as longstraw stored it before the sampler's log-probs were kept (tests/fixtures/rollout-v2-no-sampler,
+# written by that version's save_rollout): these responses and log-probs, meta {"finish_reasons", "texts"}.
+OLD_ROLLOUT = ([[5, 2, 258], [7]], [[-0.5, -1.25, -2.0], [-0.75]])
+
+
+def test_a_rollout_stored_before_the_sampler_logprobs_still_loads():
+    from longstraw.store import load_rollout
+
+    url = Path(__file__).parent / "fixtures" / "rollout-v2-no-sampler"
+    got = load_rollout(str(url))
+    assert got.sampler_logprobs is None
+    assert [r.tolist() for r in got.responses] == OLD_ROLLOUT[0]
+    assert [lp.tolist() for lp in got.logprobs] == OLD_ROLLOUT[1]
+    assert got.meta == {"finish_reasons": ["stop", "length"], "texts": ["a", "b"]}

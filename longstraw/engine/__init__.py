@@ -13,9 +13,10 @@ from .capture import PromptGraphs, capture, new_dstate
 from .checks import check_state
 from .chunks import chunk_ranges
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval, sqrt_interval
-from .grpo import MODES, grpo_backward, naive_backward, reduce_gradients
+from .entropy import with_entropy_weights
+from .grpo import MODES, grpo_backward, naive_backward, naive_entropies, reduce_gradients
 from .prompt import prompt_backward
-from .replay import replay, score
+from .replay import group_entropies, replay, score
 
 __all__ = [
     "Branches",
@@ -29,12 +30,15 @@ __all__ = [
     "check_state",
     "chunk_ranges",
     "grpo_backward",
+    "group_entropies",
     "kept_chunk_count",
     "naive_backward",
+    "naive_entropies",
     "new_dstate",
     "prompt_backward",
     "reduce_gradients",
     "replay",
     "score",
     "sqrt_interval",
+    "with_entropy_weights",
 ]

@@ -3,38 +3,60 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..grpo import GRPOConfig, token_weights
 from .checks import as_advantages, as_responses, check_per_token
 
-
 @dataclass(frozen=True)
 class Branches:
     """`tokens[i]` is response i; the loss weighs its tokens by `token_weights[i]` (set by the whole group, so a
-    slice of it keeps the group's weights) and its advantage. `old_logprobs` (None: on-policy, ratio 1) and
-    `ref_logprobs` (the KL term's reference) are per token."""
+    slice of it keeps the group's weights) and its advantage. Per token: `old_logprobs` (None: on-policy, ratio
+    1), `ref_logprobs` (the KL term's reference), `sampler_logprobs` (the sampler's own, for the rollout correction
+    and the off-policy mask). `kept[i]` False: the branch adds nothing to the loss (a truncated response under
+    `mask_truncated_completions`). `entropy_keep` / `bonus_weights` (engine/entropy.py): the tokens of the
+    group's top-entropy quantile, and each branch's weight of the entropy bonus."""
 
     tokens: list[torch.Tensor]
     advantages: torch.Tensor  # float64 [n]
     token_weights: list[float]
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    sampler_logprobs: list[torch.Tensor] | None = None
+    kept: list[bool] | None = None
+    entropy_keep: list[torch.Tensor] | None = None
+    bonus_weights: list[float] | None = None
+    # MoE routing replay (engine/routing.py): each branch's experts [R_i, top_k] by MoE layer ({}: the model routes)
+    routing: list[dict[int, torch.Tensor]] | None = None
 
     @classmethod
     def group(cls, responses: Sequence, advantages: Sequence[float] | torch.Tensor, loss: GRPOConfig, *,
-              vocab_size: int, old_logprobs: Sequence | None = None, ref_logprobs: Sequence | None = None
-              ) -> "Branches":
+              vocab_size: int, old_logprobs: Sequence | None = None, ref_logprobs: Sequence | None = None,
+              sampler_logprobs: Sequence | None = None, truncated: Sequence[bool] | None = None) -> "Branches":
         """A whole GRPO group, checked: token ids inside the vocab, one finite advantage per response, finite
-        per-token log-probs of the responses' lengths, and reference log-probs when the loss has a KL term."""
+        per-token log-probs of the responses' lengths, reference log-probs when the loss has a KL term, sampler
+        log-probs when it corrects for the sampler, one `truncated` flag per response."""
         tokens = as_responses(responses, vocab_size)
         ref = check_per_token(ref_logprobs, tokens, "ref_logprobs")
         if loss.kl_coef > 0 and ref is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the responses under the reference model)")
-        return cls(tokens, as_advantages(advantages, len(tokens)), token_weights([r.numel() for r in tokens], loss),
-                   check_per_token(old_logprobs, tokens, "old_logprobs"), ref)
+        sampler = check_per_token(sampler_logprobs, tokens, "sampler_logprobs")
+        if loss.rollout_correction != "off" and sampler is None:
+            raise ValueError(f"rollout_correction {loss.rollout_correction} needs sampler_logprobs (each sampled "
+                             "token's log-prob under the sampler); pass them, or set rollout_correction: off")
+        kept = None
+        if truncated is not None:
+            if len(truncated) != len(tokens):
+                raise ValueError(f"truncated has {len(truncated)} flags for {len(tokens)} responses")
+            kept = [not (loss.mask_truncated_completions and bool(t)) for t in truncated]
+        elif loss.mask_truncated_completions:
+            raise ValueError("mask_truncated_completions needs to know which responses were truncated: pass "
+                             "truncated= (one bool per response: it hit max_new_tokens without a stop token)")
+        return cls(tokens, as_advantages(advantages, len(tokens)),
+                   token_weights([r.numel() for r in tokens], loss, kept),
+                   check_per_token(old_logprobs, tokens, "old_logprobs"), ref, sampler, kept)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,6 +64,9 @@ class Branches:
     @property
     def token_count(self) -> int:
         return sum(r.numel() for r in self.tokens)
+
+    def is_kept(self, i: int) -> bool:
+        return self.kept is None or self.kept[i]
 
     def padded(self, count: int) -> "Branches":
         """These branches and fillers up to `count`: one-token responses of advantage 0 and token weight 0, which
@@ -51,13 +76,22 @@ class Branches:
         if extra <= 0:
             return self
         one = torch.zeros(1, dtype=torch.long, device=self.tokens[0].device)  # token 0: in every vocab
-        fill = lambda xs: None if xs is None else xs + [torch.zeros(1, dtype=xs[0].dtype)] * extra  # noqa: E731
-        return Branches(self.tokens + [one] * extra, torch.cat([self.advantages, self.advantages.new_zeros(extra)]),
-                        self.token_weights + [0.0] * extra, fill(self.old_logprobs), fill(self.ref_logprobs))
+        fillers = {"tokens": one, "token_weights": 0.0, "kept": False, "bonus_weights": 0.0,
+                   "entropy_keep": torch.zeros(1, dtype=torch.bool), "routing": {}}
+        grown = {}
+        for name in _PER_BRANCH:
+            xs = getattr(self, name)
+            if xs is not None:
+                grown[name] = xs + [fillers.get(name, torch.zeros(1, dtype=xs[0].dtype if torch.is_tensor(xs[0])
+                                                                   else torch.float32))] * extra
+        return replace(self, advantages=torch.cat([self.advantages, self.advantages.new_zeros(extra)]), **grown)
 
     def select(self, idx: Sequence[int]) -> "Branches":
         """The branches `idx` (e.g. a data-parallel group's share, or one replay batch)."""
         idx = list(idx)
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return Branches(pick(self.tokens), self.advantages[idx], pick(self.token_weights), pick(self.old_logprobs),
-                        pick(self.ref_logprobs))
+        picked = {name: [getattr(self, name)[i] for i in idx] for name in _PER_BRANCH if getattr(self, name) is not None}
+        return replace(self, advantages=self.advantages[idx], **picked)
+
+
+# the per-branch lists a slice or a padding carries along (None: not given): every field but the advantages
+_PER_BRANCH = tuple(f.name for f in fields(Branches) if f.name != "advantages")

@@ -19,8 +19,9 @@ from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState, boundary_states
 from .budget import checkpoints_layers, kept_chunk_count
 from .chunks import (Kept, block_tokens, check_prompt, chunk_segment, chunk_with_graph, empty_state, layer_major,
-                     run_chunk, store_chunk)
+                     run_chunk, store_chunk, store_routing)
 from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval
+from .routing import LayerRouting, empty_routing, held_routing
 
 
 @dataclass
@@ -46,6 +47,8 @@ def capture(
     parallel: SequenceGroup = ONE_RANK,
     exact: bool = False,
     progress: bool = False,
+    record_routing: bool = False,
+    routing: LayerRouting | None = None,
 ) -> PrefixState:
     """State of `prompt[:-1]` per layer, computed chunk by chunk (`engine.prompt_chunk` tokens, or an int chunk
     size) without autograd; this rank's shard of it on a sequence-parallel group (every rank passes the same
@@ -53,13 +56,25 @@ def capture(
 
     `exact=True`: also keep the boundary states at every `state.boundary_every`-th chunk start (one rank of the
     group each; they are stored with the state, so a stored state can run the prompt backward without a recapture),
-    and the graphs of the final chunks that fit the graph budget (in memory only, `state.graphs`)."""
+    and the graphs of the final chunks that fit the graph budget (in memory only, `state.graphs`).
+
+    MoE routing replay (engine/routing.py): `record_routing` keeps the experts each prompt token was routed to
+    with the state (`state.routing`, this rank's rows), and `routing` (the whole `prompt[:-1]`'s, by MoE layer)
+    routes the prompt's tokens as it says and is kept likewise; every later recompute of the prompt's chunks
+    (exact mode's prompt backward) then routes as the state says."""
     engine = as_engine(engine)
     p = next(model.parameters())
     parallel.check_agree("capture settings", {**engine.model_dump(), "exact": exact, "dtype": str(p.dtype),
-                                              "model": model.config.fingerprint})
+                                              "model": model.config.fingerprint,
+                                              "routing": "given" if routing is not None else record_routing})
     prompt = check_prompt(model, prompt_ids, parallel)
     state = empty_state(model, prompt, engine.prompt_chunk, parallel)
+    recording = routing is None and record_routing
+    if routing is not None:
+        state.routing = held_routing(model, routing, state)
+    elif record_routing:
+        state.routing = empty_routing(model, state.rows.rows, state.prompt_ids.device)
+        recording = state.routing is not None
     n = len(state.chunks)
     first_kept, checkpointed = n, False
     if exact:
@@ -74,20 +89,23 @@ def capture(
     # layer-major (ZeRO-3): the chunks without a kept graph, each layer gathered once for all, not once per chunk
     done = first_kept if first_kept > 1 and layer_major(model, engine.prompt_order, state, parallel) else 0
     if done:
-        _capture_by_layer(model, state, done, exact, parallel, progress)
+        _capture_by_layer(model, state, done, exact, parallel, progress, recording)
     for i in tqdm(range(done, n), desc="capture", unit="chunk", disable=not progress, leave=False):
         # one rank keeps each; taken before the chunk moves the state on. Kept even where the chunk's graph is
         # kept too: a stored state has no graphs, and its prompt backward recomputes from these.
         if exact and _keeps_boundary(state, i, parallel):
             state.boundaries[i] = boundary_states(state.layers)
+        routed = {} if recording else None
         if i >= first_kept:
             with torch.enable_grad():
                 state.graphs.kept[i] = chunk_with_graph(model, state, i, state.graphs.dstate,
-                                                        boundary_states(state.layers), parallel, checkpointed)
+                                                        boundary_states(state.layers), parallel, checkpointed, routed)
             emitted = state.graphs.kept[i][0]
         else:
-            emitted = run_chunk(model, state, i, parallel=parallel)
+            emitted = run_chunk(model, state, i, parallel=parallel, routed=routed)
         store_chunk(model, state, i, emitted, parallel)
+        if routed:
+            store_routing(state, i, routed, parallel)
     return state
 
 
@@ -97,10 +115,10 @@ def _keeps_boundary(state: PrefixState, i: int, parallel: SequenceGroup) -> bool
 
 
 def _capture_by_layer(model: PrefixLM, state: PrefixState, count: int, exact: bool, parallel: SequenceGroup,
-                      progress: bool) -> None:
+                      progress: bool, recording: bool = False) -> None:
     """Capture chunks 0..count-1 layer-major (`emit_states_by_layer`): the same state and boundaries as chunk by
-    chunk, each layer's boundary state taken when the layer reaches the chunk."""
-    chunks = [chunk_segment(state, i, parallel=parallel) for i in range(count)]
+    chunk, each layer's boundary state taken when the layer reaches the chunk (and its routing, `recording`)."""
+    chunks = [chunk_segment(state, i, parallel=parallel, record_routing=recording) for i in range(count)]
     if exact and _keeps_boundary(state, 0, parallel):
         state.boundaries[0] = boundary_states(state.layers)
     bar = tqdm(total=count * len(state.layers), desc="capture (layer-major)", unit="chunk-layer",
@@ -108,6 +126,8 @@ def _capture_by_layer(model: PrefixLM, state: PrefixState, count: int, exact: bo
 
     def stored(j: int, i: int) -> None:
         store_chunk(model, state, i, {j: chunks[i][1].emitted.pop(j)}, parallel)
+        if j in chunks[i][1].routed:
+            store_routing(state, i, {j: chunks[i][1].routed.pop(j)}, parallel)
         if exact and i + 1 < count and _keeps_boundary(state, i + 1, parallel) and \
                 (b := state.layers[j].boundary()) is not None:
             state.boundaries.setdefault(i + 1, {})[j] = b

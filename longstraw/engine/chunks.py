@@ -84,32 +84,41 @@ def run_chunk(
     grad: dict[int, LayerState] | None = None,
     parallel: SequenceGroup = ONE_RANK,
     checkpoint_layers: bool = False,
+    routed: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, LayerState]:
     """Forward chunk i on the state of the chunks before it; returns what each layer adds to the state (the rows
     of this rank's block).
 
     `prefix` overrides the layers' states (exact mode passes boundary states as autograd leaves); per-token
     layers read their rows before the chunk. Under autograd, `grad` (dState sinks) receives dLoss/dPrefix, and
-    `checkpoint_layers` keeps only each layer's input for the backward.
+    `checkpoint_layers` keeps only each layer's input for the backward. With `routed`, each MoE layer's routing
+    of the chunk's tokens is recorded into it (`Segment.routed`).
     """
-    ids, seg = chunk_segment(state, i, prefix, grad, parallel, checkpoint_layers)
+    ids, seg = chunk_segment(state, i, prefix, grad, parallel, checkpoint_layers, record_routing=routed is not None)
     model.emit_states(ids, seg)
+    if routed is not None:
+        routed.update(seg.routed)
     return seg.emitted
 
 
 def chunk_segment(state: PrefixState, i: int, prefix: list[LayerState] | None = None,
                   grad: dict[int, LayerState] | None = None, parallel: SequenceGroup = ONE_RANK,
-                  checkpoint_layers: bool = False) -> tuple[torch.Tensor, Segment]:
-    """The input ids [1, t] this rank runs of chunk i (its block) and the segment that collects what they emit."""
+                  checkpoint_layers: bool = False, record_routing: bool = False) -> tuple[torch.Tensor, Segment]:
+    """The input ids [1, t] this rank runs of chunk i (its block) and the segment that collects what they emit.
+    A state with routing (MoE routing replay) routes the chunk's tokens as it says, unless the segment records
+    the routing (capture, filling it in)."""
     s, e = state.chunks[i]
     view = PrefixView(prefix or state.layers, s, grad, state.rows, parallel)
+    routing = None if record_routing or state.routing is None else \
+        state.routing_rows(*block_rows(state, i, parallel))
     if parallel.size == 1:
-        seg = Segment(start=s, prefix=view, collect=True, checkpoint_layers=checkpoint_layers)
+        seg = Segment(start=s, prefix=view, collect=True, checkpoint_layers=checkpoint_layers, routing=routing,
+                      record_routing=record_routing)
     else:
         blocks = parallel.chunk_blocks(i, s, e)
         a, e = blocks[parallel.rank]
         seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel),
-                      checkpoint_layers=checkpoint_layers)
+                      checkpoint_layers=checkpoint_layers, routing=routing, record_routing=record_routing)
     return state.prompt_ids[seg.start:e][None], seg
 
 
@@ -147,12 +156,12 @@ def checkpoint_every(layers: int) -> int:
 
 def chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: dict[int, LayerState],
                      boundary: dict[int, LayerState], parallel: SequenceGroup = ONE_RANK,
-                     checkpoint_layers: bool = False) -> Kept:
+                     checkpoint_layers: bool = False, routed: dict[int, torch.Tensor] | None = None) -> Kept:
     """Chunk i with autograd (call it under enable_grad), reading leaves: its `boundary` states as fresh ones (so
     each chunk's graph stands alone), the per-token rows before it as themselves (their gradient goes into
-    `grad`)."""
+    `grad`). `routed`: as `run_chunk`'s."""
     leaves = [boundary.get(j, layer).leaf() for j, layer in enumerate(state.layers)]
-    return run_chunk(model, state, i, leaves, grad, parallel, checkpoint_layers), leaves
+    return run_chunk(model, state, i, leaves, grad, parallel, checkpoint_layers, routed), leaves
 
 
 def block_tokens(state: PrefixState, parallel: SequenceGroup = ONE_RANK) -> int:
@@ -186,6 +195,15 @@ def store_chunk(model: PrefixLM, state: PrefixState, i: int, emitted: dict[int, 
     row, _ = block_rows(state, i, parallel)
     for j, new in emitted.items():
         state.layers[j] = state.layers[j].append(row, new.row(0))
+
+
+def store_routing(state: PrefixState, i: int, routed: dict[int, torch.Tensor], parallel: SequenceGroup = ONE_RANK
+                  ) -> None:
+    """Add the experts chunk i's tokens were routed to (`Segment.routed`, batch row 0) to the state's routing:
+    this rank's block of its rows."""
+    row, count = block_rows(state, i, parallel)
+    for j, ids in routed.items():
+        state.routing[j][row : row + count] = ids[0]
 
 
 def check_prompt(model: PrefixLM, prompt_ids, parallel: SequenceGroup = ONE_RANK) -> torch.Tensor:

@@ -7,6 +7,7 @@ parameters and, in exact mode, dLoss/dState into a dState buffer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -21,8 +22,7 @@ from .budget import checkpoints_layers
 from .checks import as_responses, check_positions, check_state
 from .chunks import gradients_summed_over_group
 from .config import EngineConfig
-
-LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum")
+from .routing import batch_routing
 
 token_logprobs = logprobs_from_logits  # log softmax(logits)[targets] in fp32 (fp64 for fp64 models), of given logits
 
@@ -37,7 +37,8 @@ def replay_logprobs(
     spread_to: int | None = None,
     checkpoint_layers: bool = False,
     head_chunk: int | None = None,
-    entropy: bool = False,
+    entropy: bool | Literal["grad"] = False,
+    routing: Sequence[dict[int, torch.Tensor] | None] | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of a batch of responses, replayed together (right-padded) on the shared state.
 
@@ -46,7 +47,8 @@ def replay_logprobs(
     `spread_to`: the ranks of `parallel` replay different responses, all padded to that many tokens (`Segment`'s
     spread). `checkpoint_layers`: each layer keeps only its input for the backward. The LM head runs over
     `head_chunk` tokens at a time (the model's `token_logprobs`; None: its default), so the logits of the whole
-    batch never exist at once. With `entropy`, also each token's entropy (no autograd): (logps, entropies).
+    batch never exist at once. With `entropy`, also each token's entropy (no autograd; "grad": with autograd):
+    (logps, entropies). `routing`: each response's MoE routing to replay (engine/routing.py), or None.
     """
     device = state.prompt_ids.device
     longest = spread_to or max(r.numel() for r in responses)
@@ -58,7 +60,8 @@ def replay_logprobs(
         inputs[i, 1 : r.numel()] = r[:-1]
         targets[i, : r.numel()] = r
     view = PrefixView(prefix or state.layers, state.length, grad, state.rows, parallel)
-    seg = Segment(start=state.length, prefix=view, spread=spread_to is not None, checkpoint_layers=checkpoint_layers)
+    seg = Segment(start=state.length, prefix=view, spread=spread_to is not None, checkpoint_layers=checkpoint_layers,
+                  routing=None if routing is None else batch_routing(routing, longest, device))
     # right padding is safe: causal mixers keep real tokens from seeing the padding after them
     out = model.token_logprobs(inputs, targets, seg, head_chunk=head_chunk, entropy=entropy)
     logp, ent = out if entropy else (out, None)
@@ -82,23 +85,74 @@ def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch
     return out
 
 
+# statistics summed over the group's tokens (every key on every rank, zero when unused: they are summed by one
+# collective); `mismatch_abs_max` is the group's maximum
+LOSS_TOTALS = ("loss", "clipped_tokens", "kl_sum", "entropy_sum", "off_policy_masked", "entropy_kept_tokens",
+               "mismatch_abs_sum", "mismatch_kl_sum", "sampler_tokens", "correction_weight_sum")
+LOSS_MAXIMA = ("mismatch_abs_max",)
+
+
+def new_totals() -> dict[str, float]:
+    return dict.fromkeys(LOSS_TOTALS + LOSS_MAXIMA, 0.0)
+
+
 def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfig, totals: dict[str, float],
                   entropies: list[torch.Tensor] | None = None) -> None:
     """Back-propagate the GRPO loss of `branches` (their log-probs `logps`, with autograd); add its statistics
-    into `totals` (with `entropies`, each branch's per-token entropies, their sum as `entropy_sum`)."""
+    into `totals` (`new_totals()`). `entropies`: each branch's per-token entropies (with autograd when the loss has
+    an entropy bonus); their sum goes into `entropy_sum`."""
+    if loss.top_entropy_quantile < 1.0 and branches.entropy_keep is None or (
+            loss.entropy_coef > 0.0 and branches.bonus_weights is None):
+        raise ValueError("the entropy options are functions of the whole group: set them on the group's Branches "
+                         "with engine.entropy.with_entropy_weights before replaying any of its branches")
     total = 0.0
+    per = lambda xs, i: None if xs is None else xs[i]  # noqa: E731
     for i, lp in enumerate(logps):
-        old = None if branches.old_logprobs is None else branches.old_logprobs[i]
-        ref = None if branches.ref_logprobs is None else branches.ref_logprobs[i]
-        li, st = branch_loss(lp, float(branches.advantages[i]), branches.token_weights[i], loss, old, ref)
+        ent = per(entropies, i)
+        keep = per(branches.entropy_keep, i)
+        li, st = branch_loss(lp, float(branches.advantages[i]), branches.token_weights[i], loss,
+                             per(branches.old_logprobs, i), per(branches.ref_logprobs, i),
+                             per(branches.sampler_logprobs, i), ent,
+                             None if keep is None else keep.to(lp.device), per(branches.bonus_weights, i) or 0.0)
         total = total + li
-        if branches.token_weights[i] == 0.0:  # a filler (`Branches.padded`): in the graph, in no statistic
+        if branches.token_weights[i] == 0.0:  # a filler, or a truncated response masked out: in no statistic
             continue
         for key, val in st.items():
-            totals[key] += val
-        if entropies is not None:
-            totals["entropy_sum"] += float(entropies[i].sum())
+            totals[key] = max(totals[key], val) if key in LOSS_MAXIMA else totals[key] + val
+        if ent is not None:
+            totals["entropy_sum"] += float(ent.detach().sum())
+        totals["entropy_kept_tokens"] += float(lp.numel() if keep is None else keep.sum())
     total.backward()
+
+
+def reduce_totals(totals: dict[str, float], parallel: SequenceGroup, spread: bool) -> dict[str, float]:
+    """The statistics of every rank's branches: sums over the data-parallel groups (and over the sequence-parallel
+    ranks when they replayed different branches), maxima likewise."""
+    sums = torch.tensor([totals[k] for k in LOSS_TOTALS], dtype=torch.float64, device=parallel.device)
+    # a maximum through the sums: each rank's value in its own slot, so one all-reduce gives every rank's
+    slots = torch.zeros(parallel.dp_size * parallel.size, len(LOSS_MAXIMA), dtype=torch.float64,
+                        device=parallel.device)
+    slots[parallel.dp_rank * parallel.size + parallel.rank] = torch.tensor([totals[k] for k in LOSS_MAXIMA],
+                                                                      dtype=torch.float64)
+    both = parallel.dp_sum_(torch.cat([sums, slots.flatten()]))
+    if spread:
+        both = parallel.sum_(both)
+    out = dict(zip(LOSS_TOTALS, both[: len(LOSS_TOTALS)].tolist()))
+    maxima = both[len(LOSS_TOTALS):].view(-1, len(LOSS_MAXIMA)).amax(0)
+    return out | dict(zip(LOSS_MAXIMA, maxima.tolist()))
+
+
+@torch.no_grad()
+def group_entropies(model: PrefixLM, state: PrefixState, responses: list[torch.Tensor], branch_batch: int = 1, *,
+                    parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None) -> list[torch.Tensor]:
+    """Each response's per-token entropies on the captured prompt, no autograd: every rank of a group scores
+    every response (the top-entropy quantile is the whole group's)."""
+    out: list[torch.Tensor] = []
+    for b in range(0, len(responses), branch_batch):
+        _, ents = replay_logprobs(model, state, responses[b : b + branch_batch], parallel=parallel,
+                                  head_chunk=head_chunk, entropy=True)
+        out += ents
+    return out
 
 
 def replay(
@@ -133,14 +187,16 @@ def replay(
     longest = pad if spread else max(r.numel() for r in branches.tokens)
     checkpointed = checkpoints_layers(model, engine.checkpoint_layers, engine.branch_batch * longest, parallel)
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
-    totals = dict.fromkeys(LOSS_TOTALS, 0.0)
+    totals = new_totals()
+    entropy = "grad" if loss.entropy_coef > 0.0 else True
     mode = "detached" if dstate is None else "exact"
     with (tqdm(total=len(branches), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as bar,
           gradients_summed_over_group(model, parallel, spread)):
         for b in range(0, len(branches), engine.branch_batch):
             batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
             logps, entropies = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel,
-                                               pad if spread else None, checkpointed, engine.head_chunk, entropy=True)
+                                               pad if spread else None, checkpointed, engine.head_chunk,
+                                               entropy=entropy, routing=batch.routing)
             loss_backward(batch, logps, loss, totals, entropies)
             bar.update(len(batch))
     for i, leaf in enumerate(leaves or []):
@@ -149,7 +205,4 @@ def replay(
                 for t in g.tensors():
                     parallel.sum_(t)
             dstate[i].add_(g)
-    summed = parallel.dp_sum_(torch.tensor(list(totals.values()), dtype=torch.float64, device=parallel.device))
-    if spread:
-        summed = parallel.sum_(summed)
-    return dict(zip(totals, summed.tolist()))
+    return reduce_totals(totals, parallel, spread)

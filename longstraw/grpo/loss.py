@@ -1,64 +1,72 @@
-"""GRPO objective: group advantages, the clipped surrogate with optional KL, and the loss aggregations."""
+"""The GRPO loss of one branch, for every `loss_type` of `GRPOConfig`, and the group's token weights.
+
+A group's loss is a weighted sum over its branches' tokens (`token_weights`, fixed by the whole group), so a branch
+replayed on its own, or on another rank, adds exactly its share. Every term that looks at a whole response (the
+sequence-level ratio, the off-policy mask, the sequence-level correction, VESPO's weight) is computed inside
+`branch_loss` from that branch's own tokens, which a replay batch always holds whole. What needs the whole group
+(the entropy quantile, the bonus's token count) comes in as `keep` and `bonus_weight` (engine/entropy.py).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# what EngineConfig (longstraw/engine/config.py) holds: how the gradient is computed, not what it is
-ENGINE_KEYS = ("prompt_chunk", "prompt_graph_budget", "branch_batch", "boundary_every")
-LossAgg = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
+from .config import GRPOConfig
 
-
-class GRPOConfig(BaseModel):
-    """The GRPO loss: clipping, KL, aggregation. How the engine computes its gradient is `EngineConfig`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clipped below at 1 - clip_low")
-    clip_high: float = Field(0.2, ge=0.0, description="ratio clipped above at 1 + clip_high (DAPO: clip-higher)")
-    kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL estimator to the reference policy")
-    loss_agg: LossAgg = Field(
-        "seq_mean_token_mean",
-        description="seq_mean_token_mean: original GRPO; token_mean: DAPO; seq_mean_token_sum_norm: Dr. GRPO",
-    )
-    norm_len: int | None = Field(
-        None, ge=1, description="Dr. GRPO's constant length divisor; default: the group's longest response"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _engine_keys(cls, data):
-        moved = sorted(k for k in ENGINE_KEYS if isinstance(data, dict) and k in data)
-        if moved:
-            raise ValueError(f"{', '.join(moved)} moved from the loss's settings to the engine's: write "
-                             f"engine: {{{moved[0]}: ...}} (EngineConfig), not grpo: {{{moved[0]}: ...}}")
-        return data
+RATIO_CLIPPED = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
+VESPO_LOG_MIN = math.log(1e-8)  # VESPO's floor of a log-weight (its reference implementation's)
 
 
-def group_advantages(rewards: Sequence[float] | torch.Tensor, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """r - mean(r), divided by the (unbiased) std of the group when `scale` (Dr. GRPO sets scale=False)."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    if r.numel() == 0:
-        raise ValueError("group_advantages needs at least one reward")
-    adv = r - r.mean()
-    if scale and r.numel() > 1:
-        adv = adv / (r.std() + eps)
-    return adv
-
-
-def token_weights(lengths: Sequence[int], cfg: GRPOConfig) -> list[float]:
-    """Weight of every token of branch i in the group loss; the loss is a weighted sum over branch tokens."""
+def token_weights(lengths: Sequence[int], cfg: GRPOConfig, kept: Sequence[bool] | None = None) -> list[float]:
+    """Weight of every token of branch i in the group's policy loss (0 for a branch not `kept`: a truncated
+    response under `mask_truncated_completions`). The group stands where TRL has one micro-batch."""
     g = len(lengths)
-    if cfg.loss_agg == "seq_mean_token_mean":
-        return [1.0 / (g * n) for n in lengths]
-    if cfg.loss_agg == "token_mean":
-        return [1.0 / sum(lengths)] * g
-    norm = cfg.norm_len or max(lengths)
-    return [1.0 / (g * norm)] * g
+    kept = [True] * g if kept is None else list(kept)
+    if cfg.loss_type in ("grpo", "sapo"):
+        return [1.0 / (g * n) if k else 0.0 for n, k in zip(lengths, kept)]
+    if cfg.loss_type == "dr_grpo":
+        norm = cfg.max_completion_length or max(lengths)
+        return [1.0 / (g * norm) if k else 0.0 for k in kept]
+    if cfg.loss_type == "luspo":
+        return [1.0 / g if k else 0.0 for k in kept]
+    total = sum(n for n, k in zip(lengths, kept) if k)  # bnpo, dapo, cispo, vespo: the group's token mean
+    return [1.0 / total if k else 0.0 for k in kept]
+
+
+def correction_weights(old: torch.Tensor, sampler: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Importance weights exp(trainer - sampler log-prob) of one branch ([R], or [1] at sequence level), truncated
+    to [rollout_correction_min, _max] or zeroed outside it (no autograd). A sampler log-prob that is NaN (not
+    scored) counts as no mismatch."""
+    diff = torch.nan_to_num(old - sampler, nan=0.0)
+    level, how = cfg.rollout_correction.split("_")
+    w = torch.exp(diff.sum().reshape(1) if level == "sequence" else diff)
+    lo, hi = cfg.rollout_correction_min, cfg.rollout_correction_max
+    if how == "truncate":
+        return w.clamp(min=lo, max=hi)
+    outside = torch.zeros_like(w, dtype=torch.bool)
+    if lo is not None:
+        outside |= w < lo
+    if hi is not None:
+        outside |= w > hi
+    return w.masked_fill(outside, 0.0)
+
+
+@torch.no_grad()
+def vespo_weight(log_ratio: torch.Tensor, advantage: float, cfg: GRPOConfig,
+                 correction: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's Gamma weight phi(w) = exp(lambda + k log w - lambda w) of the branch's sequence ratio w (the product
+    of its token ratios, and of the token-level sampler correction when on), [1], no autograd."""
+    log_w = log_ratio.clamp(-20.0, 20.0).sum()
+    if correction is not None:
+        log_w = log_w + correction.log().clamp(VESPO_LOG_MIN, 20.0).sum()
+    log_w = log_w.clamp(VESPO_LOG_MIN, 20.0)
+    k, lam = ((cfg.vespo_k_pos, cfg.vespo_lambda_pos) if advantage >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg))
+    lam = max(lam, 1e-4)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).reshape(1)
 
 
 def branch_loss(
@@ -68,21 +76,86 @@ def branch_loss(
     cfg: GRPOConfig,
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    bonus_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted GRPO loss of one branch's tokens (logp: [R], with autograd) and its token-summed stats."""
+    """Weighted GRPO loss of one branch's tokens (`logp` [R], with autograd) and its token-summed statistics.
+
+    `old_logp` (None: on-policy, the ratio is 1 with gradient) and `ref_logp` (the KL term's) are the trainer's;
+    `sampler_logp` the sampler's (the rollout correction and the off-policy mask). `keep` [R] bool: the tokens the
+    policy loss keeps (the group's top-entropy quantile); `entropy` [R] with autograd and `bonus_weight` (entropy_coef
+    over the group's kept tokens): the entropy bonus on the kept tokens.
+    """
     old = logp.detach() if old_logp is None else old_logp.to(logp)
-    ratio = torch.exp(logp - old)
-    unclipped = ratio * advantage
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
-    stats = {"clipped_tokens": float((clipped < unclipped).sum())}
+    adv = float(advantage)
+    log_ratio = logp - old
+    if cfg.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the token ratios, for every token
+        log_ratio_used = log_ratio.mean().reshape(1)
+    else:
+        log_ratio_used = log_ratio
+    ratio = torch.exp(log_ratio_used)
+    sampler = None if sampler_logp is None else sampler_logp.to(logp)
+    correction = None
+    if cfg.rollout_correction != "off":
+        if sampler is None:
+            raise ValueError(f"rollout_correction {cfg.rollout_correction} needs the sampler's log-probs "
+                             "(sampler_logprobs); pass them, or set rollout_correction: off")
+        correction = correction_weights(old, sampler, cfg)
+
+    stats: dict[str, float] = {}
+    n = logp.numel()
+    if cfg.loss_type == "cispo":
+        per_token = -ratio.clamp(max=cfg.clip_high).detach() * adv * logp
+    elif cfg.loss_type == "sapo":
+        tau = cfg.sapo_temperature_pos if adv > 0 else cfg.sapo_temperature_neg
+        per_token = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+    elif cfg.loss_type == "vespo":
+        per_token = -vespo_weight(log_ratio, adv, cfg, correction) * adv * logp
+    else:
+        clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+        capped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        per_token = -torch.minimum(capped * adv, clipped)
+    if cfg.loss_type in RATIO_CLIPPED:
+        r = ratio.detach()
+        hit = ((r < 1.0 - cfg.clip_low) & (adv < 0)) | ((r > 1.0 + cfg.clip_high) & (adv > 0))
+        stats["clipped_tokens"] = float(hit.expand(n).sum())
+    else:
+        stats["clipped_tokens"] = 0.0
+    per_token = per_token.expand(n)
+
+    if cfg.off_policy_mask_threshold is not None:
+        behaviour = old if sampler is None else sampler
+        seq_kl = torch.nan_to_num(behaviour - logp.detach(), nan=0.0).mean()
+        dropped = adv < 0 and float(seq_kl) > cfg.off_policy_mask_threshold
+        stats["off_policy_masked"] = float(dropped)
+        if dropped:
+            per_token = per_token * 0.0  # kept in the graph: every branch of a batch back-propagates alike
+    if keep is not None:
+        per_token = per_token * keep.to(per_token.dtype)
+    if correction is not None and cfg.loss_type != "vespo":  # VESPO took it into its weight
+        per_token = per_token * correction
+    if sampler is not None:
+        d = torch.nan_to_num(old - sampler, nan=0.0)
+        stats |= {"mismatch_abs_sum": float(d.abs().sum()), "mismatch_abs_max": float(d.abs().max()),
+                  "mismatch_kl_sum": float((torch.exp(d) - d - 1.0).sum()), "sampler_tokens": float(n)}
+        if correction is not None:
+            stats["correction_weight_sum"] = float(correction.expand(n).sum())
     if cfg.kl_coef > 0.0 or ref_logp is not None:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the responses under the reference model)")
         delta = ref_logp.to(logp) - logp
         kl = torch.exp(delta) - delta - 1.0  # k3 estimator, unbiased and >= 0
-        per_token = per_token + cfg.kl_coef * kl
         stats["kl_sum"] = float(kl.detach().sum())
+        if cfg.use_bias_correction_kl:
+            kl = kl * ratio
+        per_token = per_token + cfg.kl_coef * kl
     loss = per_token.sum() * weight
+    if bonus_weight:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs each token's entropy with autograd")
+        kept = entropy if keep is None else entropy * keep.to(entropy.dtype)
+        loss = loss - bonus_weight * kept.sum()
     stats["loss"] = float(loss.detach())
     return loss, stats

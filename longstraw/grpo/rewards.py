@@ -1,4 +1,5 @@
-"""Reward functions `reward(prompt_meta, response_text) -> float`, by name or as "module:function"."""
+"""Reward functions `reward(prompt_meta, response_text) -> float | None`, by name or as "module:function"; None:
+the function does not apply to that response."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..problems.base import first_number, need
 
 log = logging.getLogger("longstraw")
 
-RewardFn = Callable[[dict, str], float]
+RewardFn = Callable[[dict, str], float | None]
 _REWARDS: dict[str, RewardFn] = {}
 
 
@@ -70,8 +71,9 @@ def _as_reward(value: Any) -> float | None:
 
 
 def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -> tuple[list[float], int]:
-    """Reward per sample, and how many failed. A reward that raises or returns no finite number scores 0.0 and is
-    logged: one bad sample must not end a training run."""
+    """Reward per sample, and how many failed. A reward that returns None does not apply to that sample (as in
+    TRL): it scores NaN, which the advantages leave out. A reward that raises or returns no finite number scores
+    0.0 and is logged: one bad sample must not end a training run."""
     if len(metas) != len(texts):
         raise ValueError(f"compute_rewards got {len(metas)} metas but {len(texts)} texts; pass one meta per text")
     name = getattr(fn, "__name__", repr(fn))
@@ -84,6 +86,9 @@ def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -
             log.warning("reward %s raised on sample %d, scored 0.0: %s: %s", name, i, type(e).__name__, e)
             rewards.append(0.0)
             failed += 1
+            continue
+        if value is None:
+            rewards.append(math.nan)
             continue
         v = _as_reward(value)
         if v is None:

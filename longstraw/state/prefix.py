@@ -52,6 +52,7 @@ class PrefixState:
 
     `chunks` are the (start, end) ranges the prompt was captured in. For the exact mode, `boundaries[i]` holds
     `boundary_states` at the start of chunk i (to recompute chunk i), for every `boundary_every`-th chunk.
+    With `routing` (MoE routing replay), every recompute of the prompt's chunks routes its tokens as capture did.
 
     A state sharded over a sequence-parallel group of C ranks holds, on each rank, the rows of its block of every
     chunk (`rows`) of every per-token layer, the whole prompt's fixed-size states, and the boundaries of the
@@ -65,6 +66,9 @@ class PrefixState:
     boundaries: dict[int, dict[int, LayerState]] = field(default_factory=dict)
     rows: RowMap | None = None  # the positions of the rows held; None: all of them
     boundary_every: int = 1  # exact mode keeps the boundaries of chunks 0, k, 2k, ... (the others are recomputed)
+    # MoE routing replay: by MoE layer, the experts [rows, top_k] each held row's token was routed to at capture
+    # (uint8 up to 256 experts), which every later forward of the prompt's tokens takes instead of re-routing
+    routing: dict[int, torch.Tensor] | None = None
     # exact mode's capture: the autograd graphs it kept of the last chunks (engine/capture.py: PromptGraphs);
     # in memory only, never stored, used up by the prompt backward
     graphs: object | None = field(default=None, repr=False, compare=False)
@@ -93,6 +97,16 @@ class PrefixState:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def routing_nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.routing or {}).values())
+
+    def routing_rows(self, row: int, count: int) -> dict[int, torch.Tensor] | None:
+        """The replayed routing of held rows row..row+count-1, as a segment takes it ([1, count, top_k] views)."""
+        if self.routing is None:
+            return None
+        return {j: t[row : row + count][None] for j, t in self.routing.items()}
 
     @property
     def boundary_nbytes(self) -> int:

@@ -138,13 +138,17 @@ class Segment:
     written. With `collect`, each layer hands what it adds to the state to `emitted` (per-token rows, or the final
     fixed-size state), batch dim first.
 
+    `routing` routes the MoE layers' tokens to given experts (routing replay); with `record_routing`, each MoE layer
+    writes where it sent them into `routed`.
+
     Not a dataclass on purpose: a segment is context the layers share by reference (`emitted`, `dsa_topk`), and
     module wrappers rebuild dataclass arguments (FSDP passes the tensors in its inputs through autograd functions
     and reassembles the containers), which would leave each layer writing into a copy."""
 
     def __init__(self, start: int = 0, prefix: PrefixView | None = None, cache: DecodeCache | None = None,
                  collect: bool = False, split: ChunkSplit | None = None, spread: bool = False,
-                 checkpoint_layers: bool = False) -> None:
+                 checkpoint_layers: bool = False, routing: dict[int, Tensor] | None = None,
+                 record_routing: bool = False) -> None:
         self.start, self.prefix, self.cache, self.collect, self.split = start, prefix, cache, collect, split
         # under autograd each layer keeps only its input and reruns in the backward (models/common/recompute.py)
         self.checkpoint_layers = checkpoint_layers
@@ -154,10 +158,34 @@ class Segment:
         self.emitted: dict[int, LayerState] = {}
         # DSA: the top-k of the last layer with its own indexer in this forward, reused by the "shared" layers
         self.dsa_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+        # MoE routing replay: by decoder layer, the experts [B, T, top_k] (any integer dtype) the segment's tokens
+        # go to instead of their router's choice; a row of -1 leaves that token to its router (padding, fillers)
+        self.routing = routing
+        # with record_routing, each MoE layer writes the experts it sent the tokens to into `routed` [B, T, top_k]
+        self.record_routing = record_routing
+        self.routed: dict[int, Tensor] = {}
 
     def emit(self, layer: int, state: LayerState) -> None:
         if self.collect:
             self.emitted[layer] = state
+
+    def route(self, layer: int, chosen: Tensor, stored: torch.dtype | None = None) -> Tensor:
+        """MoE: the experts [B, T, top_k] layer `layer` sends the segment's tokens to, given its router's choice
+        `chosen` (that shape): the replayed ones (`routing`) where the segment has them, else `chosen`; written into
+        `routed` (in dtype `stored`, if given) when the segment records."""
+        forced = None if self.routing is None else self.routing.get(layer)
+        if forced is None:
+            ids = chosen
+        else:
+            if forced.shape != chosen.shape:
+                raise ValueError(f"the routing replayed for layer {layer} has shape {tuple(forced.shape)}, but the "
+                                 f"layer routes {tuple(chosen.shape)} (batch, tokens, top_k): pass one row of expert "
+                                 "ids per token of the segment")
+            forced = forced.to(device=chosen.device, dtype=chosen.dtype)
+            ids = torch.where(forced[..., :1] >= 0, forced, chosen)
+        if self.record_routing:
+            self.routed[layer] = ids if stored is None else ids.to(stored)
+        return ids
 
     @property
     def across_ranks(self) -> bool:

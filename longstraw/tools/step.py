@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import StepConfig, torch_dtype
-from ..engine import grpo_backward
+from ..engine import capture, grpo_backward, score
 from ..memory import PeakMeter
 from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel, full_tensor, local_shard, shard_model
 from ..parallel.launch import torchrun
@@ -32,6 +32,25 @@ def synthetic_group(cfg: StepConfig, vocab: int) -> tuple[torch.Tensor, list[tor
     return prompt, responses, advantages - advantages.mean()
 
 
+def synthetic_inputs(cfg: StepConfig, model, prompt: torch.Tensor, responses: list[torch.Tensor],
+                     parallel: SequenceGroup = ONE_RANK) -> dict:
+    """What the loss options of `cfg.grpo` need besides the responses, made up around the model's own log-probs
+    (one capture and scoring, only when an option needs them): a reference and a sampler each 0.05 nats of seeded
+    noise away, so the KL term, the sampler correction and the off-policy mask all have something to act on; and
+    the responses of the longest length count as truncated."""
+    loss, out = cfg.grpo, {}
+    if loss.mask_truncated_completions:
+        out["truncated"] = [r.numel() == cfg.response_tokens[1] for r in responses]
+    if loss.kl_coef > 0 or loss.rollout_correction != "off" or loss.off_policy_mask_threshold is not None:
+        logps = score(model, capture(model, prompt, cfg.engine, parallel=parallel), responses,
+                      cfg.engine.branch_batch, parallel=parallel, head_chunk=cfg.engine.head_chunk)
+        g = torch.Generator().manual_seed(cfg.seed + 1)
+        noisy = lambda: [lp.cpu() + 0.05 * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
+                         for lp in logps]
+        out["ref_logprobs"], out["sampler_logprobs"] = noisy(), noisy()
+    return out
+
+
 def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: SequenceGroup = ONE_RANK,
            device: str = "cpu", zero_stage: int = 0) -> tuple[list[dict], dict[str, torch.Tensor]]:
     if cfg.threads:
@@ -44,12 +63,13 @@ def _modes(cfg: StepConfig, modes: list[str], progress: bool, parallel: Sequence
         shard_model(model, zero_stage, parallel)
     param_bytes = sum(local_shard(p).nelement() * p.element_size() for p in model.parameters())
     prompt, responses, adv = synthetic_group(cfg, model.config.vocab_size)
+    inputs = synthetic_inputs(cfg, model, prompt, responses, parallel)
     results, grads = [], {}
     for mode in modes:
         model.zero_grad(set_to_none=True)
         with PeakMeter(torch.device(device)) as meter:
             stats = grpo_backward(model, prompt, responses, adv, mode=mode, config=cfg.grpo, engine=cfg.engine,
-                                  progress=progress, parallel=parallel)
+                                  progress=progress, parallel=parallel, **inputs)
         stats["peak_rss_bytes"], stats["param_bytes"] = meter.peak_bytes, param_bytes
         grads[mode] = torch.cat([full_tensor(p.grad).flatten().double().cpu() for p in model.parameters() if p.grad is not None])
         results.append(stats)

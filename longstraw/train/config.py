@@ -201,10 +201,11 @@ class TrainConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    reward: str | None = Field(None, description="reward name or module:function; default: the task's verifier")
+    reward: str | list[str] | None = Field(
+        None, description="reward name or module:function, or a list of them (several reward functions, weighted by "
+        "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier")
     mode: Literal["naive", "detached", "exact"] = "exact"
     epochs: int = Field(1, ge=1, description="optimizer updates per rollout (>1: off-policy, clipping active)")
-    scale_advantages: bool = Field(True, description="divide advantages by the group's std (Dr. GRPO: false)")
     grpo: GRPOConfig = Field(GRPOConfig(), description="the loss: clipping, KL, aggregation")
     engine: EngineConfig = Field(EngineConfig(), description="how its gradient is computed: prompt chunk, branch "
                                  "batch, kept graphs, boundary states (time and memory, never the gradient)")
@@ -220,6 +221,27 @@ class TrainConfig(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
     tracking: TrackingConfig = TrackingConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data):
+        if isinstance(data, dict) and "scale_advantages" in data:
+            raise ValueError("scale_advantages is now grpo: {scale_rewards: group|none} (true -> group, false -> "
+                             "none; or batch: the std of all the step's groups); remove scale_advantages")
+        return data
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_names(cls, v: str | list[str] | None) -> str | list[str] | None:
+        names = [v] if isinstance(v, str) else v or []
+        if isinstance(v, list) and not v:
+            raise ValueError("reward is an empty list; name at least one reward function, or leave reward unset")
+        if any(not n.strip() for n in names):
+            raise ValueError("reward names an empty reward function; give a registered name or module:function")
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"reward lists {', '.join(map(repr, twice))} more than once; to weigh a function more, "
+                             "give it a larger grpo.reward_weights entry")
+        return v
 
     @field_validator("device")
     @classmethod
@@ -242,6 +264,11 @@ class TrainConfig(_Strict):
             raise ValueError("set exactly one of `task` (a built-in task) or `dataset` (a JSONL file)")
         if self.dataset is not None and self.reward is None:
             raise ValueError("a dataset needs a `reward` (e.g. exact_match, number_match or module:function)")
+        weights, rewards = self.grpo.reward_weights, self.rewards
+        if weights is not None and len(weights) != len(rewards):
+            raise ValueError(f"grpo.reward_weights has {len(weights)} weight(s) for {len(rewards)} reward "
+                             f"function(s) ({', '.join(rewards)}); give one weight per entry of `reward`, in its "
+                             "order")
         p = self.pipeline
         if p.nproc > 1 and self.mode == "naive":
             raise ValueError("mode naive is the one-process reference (every branch recomputes the prompt); run it "
@@ -260,6 +287,13 @@ class TrainConfig(_Strict):
             raise ValueError(f"optim.zero_stage {self.optim.zero_stage} shards over several ranks; set "
                              "pipeline.nproc > 1 or zero_stage 0")
         return self
+
+    @property
+    def rewards(self) -> list[str]:
+        """The reward functions, in order: `reward` as a list, or the task's verifier."""
+        if self.reward is None:
+            return [self.task]
+        return [self.reward] if isinstance(self.reward, str) else list(self.reward)
 
     @property
     def updates(self) -> int:

@@ -6,23 +6,28 @@ are the ops of `worker.Worker`, kept resident on every rank of the run (spmd.py)
 One step, for each group g (one prompt) and each epoch e:
   capture(g, e) -> rollout(g) [e = 0 only] -> reference(g) [kl_coef > 0] -> reward(g)
   -> replay(g, e, branch slices) per task -> prompt(g, e) [exact mode]; then optimizer(e) [-> checkpoint]
-The prompt runs once per step for the policy: the rollout samples from the captured state.
+The prompt runs once per step for the policy: the rollout samples from the captured state. When an advantage
+needs every group's rewards (`grpo.scale_rewards` batch, `multi_objective_aggregation` normalize_then_sum), epoch 0
+runs capture -> rollout -> reference -> reward for all groups first, then advantages(g) for each (`advantage_stage`),
+then each group's replays and prompt backward (its state read back from the store).
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import torch
 
 from ..data import Example, check_vocab, load_tokenizer
-from ..grpo import group_advantages
+from ..grpo.advantages import advantages, needs_batch, weighted_rewards
 from ..grpo.rewards import compute_rewards, get_reward
 from ..lora import check_lora_targets
 from ..models.registry import build, config_from_hf
 from ..files import Artefact
-from ..store import load_rollout
-from .artifacts import save_json
+from ..store import StoredRollout, load_rollout
+from .artifacts import load_json, save_json
 from .config import TrainConfig
 from .data import prompt_ids, step_example
 
@@ -47,7 +52,8 @@ def preflight(cfg: TrainConfig) -> None:
     options make a prompt, the tokenizer covers it, and prompt + answers fit the model's positions."""
     tok = load_tokenizer(cfg.tokenizer)
     ids = prompt_ids(tok, step_example(cfg, tok, 0, 0))
-    get_reward(cfg.reward or cfg.task)
+    for name in cfg.rewards:
+        get_reward(name)
     hf = cfg.model.hf_config()
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
@@ -65,28 +71,89 @@ def preflight(cfg: TrainConfig) -> None:
 
 # ---- the reward --------------------------------------------------------------------------------------------
 
-def read_rollout(cfg: TrainConfig, rollout: Artefact) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(response token ids, sampling log-probs, meta with texts and finish reasons) of a stored rollout, in the
-    run's store, verified against its digest."""
+def read_rollout(cfg: TrainConfig, rollout: Artefact) -> StoredRollout:
+    """A stored rollout in the run's store (response token ids, their log-probs, the sampler's log-probs or None,
+    meta with texts and finish reasons), verified against its digest."""
     return load_rollout(rollout.path, storage_options=cfg.store.storage_options, digest=rollout.sha256)
 
 
 def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict:
-    """Score the answers of the rollout (an `Artefact`'s JSON) with the reward function and turn them into group
-    advantages; returns the stored record's `Artefact` JSON with the reward metrics."""
+    """Score the answers of the rollout (an `Artefact`'s JSON) with each reward function and, when they need no
+    other group's rewards, turn them into the group's advantages; returns the stored record's `Artefact` JSON with
+    the reward metrics (the weighted reward's and each function's mean). The record holds each function's rewards
+    (None: it does not apply to that answer), their weighted sum ("rewards", None: no function applies) and the
+    advantages the replay reads (else `advantage_stage` writes them)."""
     t0 = time.perf_counter()
-    _, _, meta = read_rollout(cfg, Artefact.from_json(rollout))
+    meta = read_rollout(cfg, Artefact.from_json(rollout)).meta
     if (ex := meta.get("example")) is None:  # a rollout stored without its example
         ex = example_record(step_example(cfg, load_tokenizer(cfg.tokenizer), step, group))
     prompt_meta = ex["meta"] | {"answer": ex["answer"]}
-    fn = get_reward(cfg.reward or cfg.task)
-    rewards, failed = compute_rewards(fn, [prompt_meta] * len(meta["texts"]), meta["texts"])
-    adv = group_advantages(rewards, scale=cfg.scale_advantages).tolist()
-    record = {"rewards": rewards, "advantages": adv, "failed": failed, "texts": meta["texts"]}
+    texts = meta["texts"]
+    per_function, failed = {}, 0
+    for name in cfg.rewards:
+        per_function[name], bad = compute_rewards(get_reward(name), [prompt_meta] * len(texts), texts)
+        failed += bad
+    table = _table([per_function], cfg.rewards)
+    weighted = weighted_rewards(table, _weights(cfg))
+    record = {"rewards": _json_floats(weighted),
+              "rewards_per_function": {k: _json_floats(v) for k, v in per_function.items()},
+              "failed": failed, "texts": texts}
+    if not _needs_batch(cfg):
+        record["advantages"] = _advantages(cfg, table).tolist()
     path = str(cfg.paths().step(step) / f"rewards-g{group:03d}.json")
     sha = save_json(path, record)
-    n = len(rewards)
-    mean = sum(rewards) / n
-    return {**Artefact(path, sha).to_json(), "reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-            "accuracy": sum(r >= 1.0 for r in rewards) / n, "reward_failures": failed,
-            "seconds": time.perf_counter() - t0}
+    scored = weighted[~weighted.isnan()].tolist()
+    n = max(len(scored), 1)
+    mean = sum(scored) / n
+    out = {**Artefact(path, sha).to_json(), "reward_mean": mean,
+           "reward_std": (sum((r - mean) ** 2 for r in scored) / n) ** 0.5,
+           "accuracy": sum(r >= 1.0 for r in scored) / n, "reward_failures": failed,
+           "reward_unscorable": len(texts) - len(scored)}
+    for name, values in per_function.items():  # TRL's rewards/<name>/mean, over the answers it applies to
+        if present := [v for v in values if not math.isnan(v)]:
+            out[reward_metric(name)] = sum(present) / len(present)
+    return out | {"seconds": time.perf_counter() - t0}
+
+
+def advantage_stage(cfg: TrainConfig, rewards: list[dict], step: int, group: int) -> dict:
+    """The advantages of one group when they depend on the whole step's rewards (`grpo.scale_rewards` batch, or
+    `multi_objective_aggregation` normalize_then_sum): read every group's reward record (`rewards`: their
+    `Artefact`s' JSON, in group order), compute all advantages, store this group's as the record the replay reads;
+    returns its `Artefact` JSON."""
+    t0 = time.perf_counter()
+    records = [load_json(a.path, a.sha256) for a in map(Artefact.from_json, rewards)]
+    adv = _advantages(cfg, _table([r["rewards_per_function"] for r in records], cfg.rewards))
+    g = cfg.responses
+    record = {"rewards": records[group]["rewards"], "advantages": adv[group * g:(group + 1) * g].tolist()}
+    path = str(cfg.paths().step(step) / f"advantages-g{group:03d}.json")
+    return {**Artefact(path, save_json(path, record)).to_json(), "seconds": time.perf_counter() - t0}
+
+
+def reward_metric(name: str) -> str:
+    """The metric of a reward function's mean: TRL's `rewards/<name>/mean`, the name made a valid MLflow key."""
+    return f"rewards/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}/mean"
+
+
+def _needs_batch(cfg: TrainConfig) -> bool:
+    return needs_batch(cfg.grpo.scale_rewards, cfg.grpo.multi_objective_aggregation)
+
+
+def _weights(cfg: TrainConfig) -> torch.Tensor:
+    w = cfg.grpo.reward_weights
+    return torch.ones(len(cfg.rewards), dtype=torch.float64) if w is None else torch.tensor(w, dtype=torch.float64)
+
+
+def _table(groups: list[dict[str, list]], names: list[str]) -> torch.Tensor:
+    """[answers, functions] float64 rewards, group after group (None and NaN: the function does not apply)."""
+    rows = [[math.nan if g[k][i] is None else g[k][i] for k in names] for g in groups for i in range(len(g[names[0]]))]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def _advantages(cfg: TrainConfig, table: torch.Tensor) -> torch.Tensor:
+    p = cfg.grpo
+    return advantages(table, cfg.responses, p.reward_weights, p.scale_rewards, p.multi_objective_aggregation)
+
+
+def _json_floats(values) -> list[float | None]:
+    """NaN as None: JSON has no NaN."""
+    return [None if math.isnan(v) else v for v in (values.tolist() if torch.is_tensor(values) else values)]

@@ -9,8 +9,9 @@ stays in memory:
 - gradients accumulate in `param.grad` (FSDP: the rank's shard) over every replay and prompt op of an update;
   dLoss/dState of a group accumulates over its replay ops in `self._dstate` and is consumed by its prompt op;
 - the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing;
-- so do the last rollout's answers and sampling log-probs (`self._rollout`) and the KL reference's log-probs
-  (`self._reference_logps`): reference and replay read them from the store only after a resume.
+- so do the last rollout's answers, log-probs, sampler log-probs and finish reasons (`self._rollout`) and the KL
+  reference's log-probs (`self._reference_logps`): reference and replay read them from the store only after a
+  resume.
 
 What resume needs is stored, and nothing model-sized per op: prefix-state shards (each written by the rank that
 owns its tokens; sharded_state.py), rollouts, references, and checkpoints every `pipeline.checkpoint_every`
@@ -28,15 +29,17 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
-from ..engine import (Branches, capture, naive_backward, new_dstate, prompt_backward, reduce_gradients, replay,
-                      score)
+from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, new_dstate,
+                      prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
@@ -54,6 +57,17 @@ from .device import run_device
 from .optim import build_optimizer, optimizer_step
 from .spmd import ONE_PROCESS, Ranks, agree
 from .inputs import example_record, make_prompt, read_rollout
+
+
+class Answers(NamedTuple):
+    """What a group's reference and replay ops take of its rollout (rank 0's values, as the store holds them): the
+    answers' token ids, their log-probs at temperature 1, their log-probs under the distribution the sampler drew
+    them from (None: a rollout stored before those were kept), and why each ended ("stop" or "length")."""
+
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    sampler_logprobs: list[torch.Tensor] | None
+    finish_reasons: list[str]
 
 
 def next_version(version: str, update: int) -> str:
@@ -82,11 +96,13 @@ class Worker:
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
         self._reference: nn.Module | None = None
         self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
-        # the last rollout sampled or read: (its artefact, responses, sampling log-probs), rank 0's on every rank
-        self._rollout: tuple[Artefact, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # the last rollout sampled or read: (its artefact, its answers), rank 0's on every rank
+        self._rollout: tuple[Artefact, Answers] | None = None
         # the last KL reference log-probs computed or read: (their artefact, one tensor per answer), rank 0's
         self._reference_logps: tuple[Artefact, list[torch.Tensor]] | None = None
         self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
+        # the entropy options' (mask, bonus weights) of a (group, epoch), from its first replay op to the optimizer
+        self._entropy: dict[tuple[int, int], tuple] = {}
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # a torchrun rank has made its LOCAL_RANK's GPU the current one (spmd.init_ranks)
@@ -190,7 +206,7 @@ class Worker:
                                                            device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
-        self._state, self._dstate, self._rollout, self._reference_logps = None, {}, None, None
+        self._state, self._dstate, self._rollout, self._reference_logps, self._entropy = None, {}, None, None, {}
         ref = None
         if cfg.grpo.kl_coef > 0:  # the KL reference: update 0's weights
             ref = meta if self.update == 0 else read_trainer(paths.checkpoint(0))
@@ -251,6 +267,7 @@ class Worker:
                     "texts": [tok.decode(s.tokens.tolist()) for s in samples], "example": example}
             url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
             manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
+                                    sampler_logprobs=[s.sampler_logprobs for s in samples],
                                     storage_options=cfg.store.storage_options)
             stored = Artefact(url, manifest_digest(manifest))
             out |= stored.to_json()
@@ -261,8 +278,10 @@ class Worker:
         """Keep the answers resident for the group's reference and replay ops, as the store keeps them."""
         tokens = [s.tokens.to(torch.int64).cpu() for s in samples]
         logps = [s.logprobs.float().cpu() for s in samples]
-        stored, (tokens, logps) = self._as_rank0_stored(stored, [tokens, logps])
-        self._rollout = (stored, tokens, logps)
+        sampler = [s.sampler_logprobs.float().cpu() for s in samples]
+        stored, (tokens, logps, sampler) = self._as_rank0_stored(stored, [tokens, logps, sampler])
+        # finish reasons follow from the tokens (a stop id last or not), and every rank holds rank 0's tokens
+        self._rollout = (stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples]))
 
     def _as_rank0_stored(self, stored: Artefact | None, lists: list[list[torch.Tensor]]
                          ) -> tuple[Artefact, list[list[torch.Tensor]]]:
@@ -276,22 +295,35 @@ class Worker:
         return Artefact.from_json(got["artefact"]), [[torch.tensor(v, dtype=t.dtype) for v, t in zip(vs, ts)]
                                                      for vs, ts in zip(got["lists"], lists)]
 
-    def _responses(self, rollout: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(responses, sampling log-probs) of `rollout` (an `Artefact`'s JSON): resident if it was the last one
-        sampled or read, else read from the store (after a resume), verified."""
+    def _responses(self, rollout: dict) -> Answers:
+        """The answers of `rollout` (an `Artefact`'s JSON): resident if it was the last one sampled or read, else
+        read from the store (after a resume), verified."""
         artefact = Artefact.from_json(rollout)
         if self._rollout is None or self._rollout[0] != artefact:
-            responses, logps, _ = self._agree(lambda: read_rollout(self.cfg, artefact))
-            self._rollout = (artefact, responses, logps)
-        return self._rollout[1], self._rollout[2]
+            got = self._agree(lambda: read_rollout(self.cfg, artefact))
+            self._rollout = (artefact, Answers(got.responses, got.logprobs, got.sampler_logprobs,
+                                               got.meta["finish_reasons"]))
+        return self._rollout[1]
+
+    def _check_sampler_logprobs(self, answers: Answers, rollout: dict) -> None:
+        """A rollout stored before the sampler's log-probs were kept cannot feed a loss that needs them."""
+        grpo = self.cfg.grpo
+        if answers.sampler_logprobs is None and (grpo.rollout_correction != "off"
+                                                 or grpo.off_policy_mask_threshold is not None):
+            raise ValueError(f"the rollout at {rollout['path']} was stored without the sampler's log-probs (by an "
+                             "older longstraw), which grpo.rollout_correction and grpo.off_policy_mask_threshold need: "
+                             "delete it so that its step samples it again, or set grpo.rollout_correction to off "
+                             "and leave grpo.off_policy_mask_threshold unset")
 
     def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
         """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
         mine = {"dp": self.parallel.dp_rank, "sp": self.parallel.rank,
-                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.finish_reason] for s in samples]}
+                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason]
+                            for s in samples]}
         slices = sorted((r for r in self.ranks.gather(mine) if r["sp"] == 0), key=lambda r: r["dp"])
-        return [Sample(torch.tensor(t, dtype=torch.long), torch.tensor(lp, dtype=torch.float32), reason)
-                for r in slices for t, lp, reason in r["samples"]]
+        fp32 = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
+        return [Sample(torch.tensor(t, dtype=torch.long), fp32(lp), fp32(slp), reason)
+                for r in slices for t, lp, slp, reason in r["samples"]]
 
     def reference(self, reference_version: str, state: dict, rollout: dict, step: int, group: int) -> dict:
         """Log-probs of the sampled answers (`rollout`: an `Artefact`'s JSON) under the frozen initial weights (the
@@ -299,7 +331,7 @@ class Worker:
         cfg = self.cfg
         model = self._reference_model(reference_version)
         prompt = self._load(state).prompt_ids
-        responses, _ = self._responses(rollout)
+        responses = self._responses(rollout).responses
         with self._meter() as m:
             ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
             logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
@@ -334,17 +366,20 @@ class Worker:
         if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
-        responses, sample_logps = self._responses(rollout)
+        answers = self._responses(rollout)
+        self._check_sampler_logprobs(answers, rollout)
+        responses = answers.responses
         ref_logps = None if reference is None else self._reference_logprobs(reference, len(responses))
         record_file = Artefact.from_json(rewards)
         record = self._agree(lambda: load_json(record_file.path, record_file.sha256))
         prefix = self._load(state)  # naive mode too: its prompt is the stored one
         group_branches = Branches.group(
             responses, record["advantages"], cfg.grpo, vocab_size=self.model.config.vocab_size,
-            old_logprobs=sample_logps if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
-            ref_logprobs=ref_logps)
-        mine = group_branches.select(branches[self.parallel.dp_rank])
+            old_logprobs=answers.logprobs if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
+            ref_logprobs=ref_logps, sampler_logprobs=answers.sampler_logprobs,
+            truncated=[reason == "length" for reason in answers.finish_reasons])
         with self._meter() as m:
+            mine = self._entropy_weighted(group_branches, prefix, group, epoch).select(branches[self.parallel.dp_rank])
             if cfg.mode == "naive":
                 totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo)
             else:
@@ -357,6 +392,24 @@ class Worker:
         tokens = sum(responses[i].numel() for s in branches for i in s)
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": tokens / max(m.seconds, 1e-9)}
+
+    def _entropy_weighted(self, group_branches: Branches, prefix: PrefixState, group: int, epoch: int) -> Branches:
+        """The group's branches with the entropy options' mask and bonus weights (`with_entropy_weights`): the
+        whole group's, computed by the group's first replay op and kept for the others until the optimizer step."""
+        cfg = self.cfg
+        if not cfg.grpo.entropy_needed:
+            return group_branches
+        if (group, epoch) not in self._entropy:
+            head = cfg.engine.head_chunk
+            if cfg.mode == "naive":
+                scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches.tokens, head)  # noqa: E731
+            else:
+                scored = lambda: group_entropies(self.model, prefix, group_branches.tokens,  # noqa: E731
+                                                 cfg.engine.branch_batch, parallel=self.parallel, head_chunk=head)
+            weighted = with_entropy_weights(group_branches, cfg.grpo, scored)
+            self._entropy[(group, epoch)] = (weighted.entropy_keep, weighted.bonus_weights)
+        keep, bonus = self._entropy[(group, epoch)]
+        return replace(group_branches, entropy_keep=keep, bonus_weights=bonus)
 
     def prompt(self, weights_version: str, state: dict, step: int, group: int, epoch: int) -> dict:
         """Exact mode: back-propagate the group's summed dLoss/dState through the prompt, every chunk recomputed
@@ -389,6 +442,7 @@ class Worker:
         self.update += 1
         self.weights_version = next_version(self.weights_version, self.update)
         self._state = None  # captured with the old weights
+        self._entropy = {}  # of the old weights
         last_of_step = self.update % cfg.epochs == 0
         checkpoint = None
         if (last_of_step and (step + 1) % cfg.pipeline.checkpoint_every == 0) or self.update == cfg.updates:

@@ -181,22 +181,22 @@ def test_kl_term_exact_equals_naive():
     assert rel_err(g_exact, g_nokl) > 1e-3
 
 
-@pytest.mark.parametrize("loss_agg", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
-def test_naive_matches_transformers_loss(loss_agg):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_naive_matches_transformers_loss(loss_type):
     """Our naive mode == autograd of the GRPO loss written out directly on transformers' model."""
     model = tiny_model(dtype=torch.float64)
     prompt, responses = group()
     state = ls.capture(model, prompt)
     old = [c + 0.3 * torch.randn_like(c) for c in ls.score(model, state, responses)]
-    cfg = ls.GRPOConfig(loss_agg=loss_agg, clip_low=0.1, clip_high=0.3)
+    cfg = ls.GRPOConfig(loss_type=loss_type, clip_low=0.1, clip_high=0.3)
     g_naive, stats = grad_of(model, "naive", prompt, responses, old_logprobs=old, config=cfg)
     g_exact, _ = grad_of(model, "exact", prompt, responses, old_logprobs=old, config=cfg)
     hf = hf_twin(model)
     hf.zero_grad()
     lengths = [r.numel() for r in responses]
-    if loss_agg == "seq_mean_token_mean":
+    if loss_type == "grpo":
         w = [1 / (len(lengths) * n) for n in lengths]
-    elif loss_agg == "token_mean":
+    elif loss_type == "dapo":
         w = [1 / sum(lengths)] * len(lengths)
     else:
         w = [1 / (len(lengths) * max(lengths))] * len(lengths)

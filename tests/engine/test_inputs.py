@@ -51,8 +51,10 @@ def test_bad_input(model, kwargs, match):
 def test_config_validation():
     from pydantic import ValidationError
 
+    with pytest.raises(ValidationError, match="loss_agg' is now loss_type"):
+        ls.GRPOConfig(loss_agg="token_mean")
     with pytest.raises(ValidationError):
-        ls.GRPOConfig(loss_agg="sum")
+        ls.GRPOConfig(loss_type="sum")
     with pytest.raises(ValidationError):
         ls.GRPOConfig(clip_low=1.5)
     with pytest.raises(ValidationError):

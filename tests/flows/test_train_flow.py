@@ -22,7 +22,8 @@ from tests.conftest import tiny_config
 
 STEP_METRICS = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "clip_frac", "entropy", "grad_norm",
                 "response_len", "prefix_state_bytes", "peak_bytes", "step_seconds", "tokens_per_s", "capture_seconds",
-                "rollout_seconds", "replay_seconds", "prompt_backward_seconds", "optimizer_seconds")
+                "rollout_seconds", "replay_seconds", "prompt_backward_seconds", "optimizer_seconds",
+                "sampler_logp_diff_mean", "sampler_logp_diff_max", "sampler_kl")
 OPS = ("start", "capture", "rollout", "replay", "prompt", "optimizer")
 
 
@@ -259,6 +260,10 @@ def test_mlflow_parent_run_has_nested_stage_runs_and_metrics(tmp_path):
     assert parent.info.status == "FINISHED"
     assert set(STEP_METRICS) <= set(parent.data.metrics)
     assert parent.data.metrics["kl"] >= 0 and parent.data.params["grpo.kl_coef"] == "0.05"
+    # sampled at temperature 1 unfiltered, replayed on the same weights: the sampler's log-probs are the trainer's
+    # up to rounding; no correction, no weight
+    assert 0 <= parent.data.metrics["sampler_logp_diff_mean"] <= parent.data.metrics["sampler_logp_diff_max"] < 1e-4
+    assert "correction_weight_mean" not in parent.data.metrics
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     stages = Counter(r.data.tags["stage"] for r in children)
     assert stages == {"capture": 1, "rollout": 1, "reference": 1, "reward": 1, "replay": 4, "prompt": 1,

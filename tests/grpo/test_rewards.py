@@ -96,10 +96,11 @@ def test_compute_rewards_survives_bad_rewards(caplog):
     texts = ["ab", "boom", "nan", "inf", "str", "none", "abcd"]
     with caplog.at_level(logging.WARNING, logger="longstraw"):
         rewards, failed = compute_rewards(flaky, [{}] * len(texts), texts)
-    assert rewards == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 4.0]
-    assert failed == 5
+    # None: the reward does not apply to that answer (TRL's meaning): NaN, neither a failure nor a 0
+    assert math.isnan(rewards[5]) and rewards[:5] + rewards[6:] == [2.0, 0.0, 0.0, 0.0, 0.0, 4.0]
+    assert failed == 4
     records = [r for r in caplog.records if r.name == "longstraw" and r.levelno == logging.WARNING]
-    assert len(records) == 5
+    assert len(records) == 4
     assert any("reward server down" in r.getMessage() for r in records)
     assert any("nan" in r.getMessage() for r in records)
 

@@ -1,20 +1,26 @@
 """Rollout split over data-parallel groups under ZeRO-3: each group samples its slice of the branches
 (`first_branch`), and the slices end at different steps. Every decode step's forward gathers each layer's
 parameters from every rank, so the groups must agree on when all branches have stopped; the samples equal one
-process sampling all branches with the unsharded model."""
+process sampling all branches with the unsharded model, and the worker's gather of the slices (`_gather_samples`)
+puts them, their log-probs and sampler log-probs in branch order on every rank."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 import longstraw as ls
 from longstraw.parallel import shard_model
+from longstraw.train.spmd import Ranks
+from longstraw.train.worker import Worker
 from tests.conftest import tiny_model
 from tests.parallel.launch import run_ranks
 from tests.parallel.test_zero import _sp
 
 STOPS = list(range(0, 97, 3))  # a third of the vocab ends a branch: slices stop after a few tokens, at random
-KW = dict(n=1, max_new_tokens=24, temperature=1.0, stop_ids=STOPS, stop_check_every=1)
+# tempered and filtered: the sampler's log-probs differ from the temperature-1 ones
+KW = dict(n=1, max_new_tokens=24, temperature=0.8, top_k=40, stop_ids=STOPS, stop_check_every=1)
 
 
 def _setup():
@@ -29,7 +35,14 @@ def slice_rank(rank: int, world: int, seed: int) -> dict[str, torch.Tensor]:
     shard_model(model, 3, sp)
     state = ls.capture(model, prompt, 16, parallel=sp)
     sample = ls.rollout(model, state, seed=seed, first_branch=sp.dp_rank, parallel=sp, **KW)[0]
-    return {"tokens": sample.tokens, "logprobs": sample.logprobs}
+    worker = SimpleNamespace(parallel=sp, ranks=Ranks(sp, None, rank, world))  # what _gather_samples reads
+    gathered = Worker._gather_samples(worker, [sample])
+    out = {"tokens": sample.tokens, "logprobs": sample.logprobs, "sampler_logprobs": sample.sampler_logprobs}
+    for i, s in enumerate(gathered):
+        out |= {f"gathered.{i}.tokens": s.tokens, f"gathered.{i}.logprobs": s.logprobs,
+                f"gathered.{i}.sampler_logprobs": s.sampler_logprobs,
+                f"gathered.{i}.stopped": torch.tensor(s.finish_reason == "stop")}
+    return out
 
 
 def test_slices_that_stop_apart_under_zero3_equal_one_process():
@@ -42,3 +55,11 @@ def test_slices_that_stop_apart_under_zero3_equal_one_process():
     for got, want in zip(ranks, whole, strict=True):
         assert torch.equal(got["tokens"], want.tokens)
         torch.testing.assert_close(got["logprobs"], want.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["sampler_logprobs"], want.sampler_logprobs, atol=1e-5, rtol=0)
+    assert not torch.allclose(whole[0].sampler_logprobs, whole[0].logprobs)
+    for got in ranks:  # every rank holds every slice, in branch order, exactly as its rank sampled it
+        assert sorted({k.split(".")[1] for k in got if k.startswith("gathered.")}) == ["0", "1"]
+        for i, mine in enumerate(ranks):
+            for field in ("tokens", "logprobs", "sampler_logprobs"):
+                assert torch.equal(got[f"gathered.{i}.{field}"], mine[field])
+            assert bool(got[f"gathered.{i}.stopped"]) == (int(mine["tokens"][-1]) in STOPS)

@@ -48,7 +48,7 @@ def reference_grad(cfg, init, roll, mode, old=None) -> torch.Tensor:
     model = ls.load_model(init["checkpoint"])
     tok = load_tokenizer(cfg.tokenizer)
     prompt = prompt_ids(tok, step_example(cfg, tok, 0, 0))
-    responses, _, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
+    responses = inputs.read_rollout(cfg, Artefact.from_json(roll)).responses
     model.zero_grad(set_to_none=True)
     ls.grpo_backward(model, prompt, responses, ADV, mode=mode, config=cfg.grpo, engine=cfg.engine, old_logprobs=old)
     return flat_grad(model)
@@ -222,7 +222,7 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
         for p, q in zip(model.parameters(), w.model.parameters()):
             p.copy_(q)
     tok = load_tokenizer(cfg.tokenizer)
-    responses, old, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
+    responses, old, _, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
     ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
                      old_logprobs=old, config=cfg.grpo)
     assert rel_err(got, flat_grad(model)) <= 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from torch import nn
 from ...state import LayerState, Segment
 from .head import chunked_logprobs, default_head_chunk
 from .mixer import TokenMixer
+from .moe import MoE
 from .recompute import query_tiled, recomputed, tile_bounds, token_tiled
 from .rope import Rotary
 
@@ -34,9 +36,9 @@ class DecoderLayer(nn.Module):
             return out
         x = x + self.mixer(self.input_layernorm(x), rope, seg)
         if not (seg.checkpoint_layers and torch.is_grad_enabled()):
-            return x + self._feed_forward(x)
+            return x + self._feed_forward(x, seg)
         weights = self._weights(self.post_attention_layernorm, self.mlp)
-        return x + token_tiled(self._feed_forward, x, self.mlp.recompute_tiles, weights)
+        return x + token_tiled(partial(self._feed_forward, seg=seg), x, self.mlp.recompute_tiles, weights)
 
     @staticmethod
     def _weights(*modules: nn.Module) -> list[nn.Parameter]:
@@ -61,10 +63,14 @@ class DecoderLayer(nn.Module):
         """The block's output for a tile of its tokens (x: their input), `own` and `tile` the tile's keys and
         values and those before it (recompute.py)."""
         h = x + self.mixer.tile_forward(self.input_layernorm(x), rope, own, tile, seg)
-        return h + self._feed_forward(h)
+        return h + self._feed_forward(h, seg)
 
-    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(x))
+    def _feed_forward(self, x: torch.Tensor, seg: Segment | None = None) -> torch.Tensor:
+        """The post-attention norm and MLP; a MoE routes through `seg` (routing replay and recording)."""
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, seg, self.mixer.layer_idx)
+        return self.mlp(h)
 
     # Capture returns what the layer emitted beside its output. FSDP (`parallel/fsdp.py`) registers both as
     # forward methods and hooks the tensors they return, so a gradient that enters the layer through its emitted

@@ -16,6 +16,7 @@ blocking; fp64 agrees to ~1e-15).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -34,22 +35,24 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    """-sum p log p over the last axis, from log-probs (a p of 0 adds 0), without autograd."""
-    with torch.no_grad():
-        p = logp.exp()
-        return -(p * logp).masked_fill_(p == 0, 0.0).sum(-1)
+def _entropy(logp: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    """-sum p log p over the last axis, from log-probs; without autograd unless `grad` (the entropy bonus's).
+    log_softmax of finite logits is finite, so p log p is 0 where p underflows to 0, and its gradient is finite."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return -(logp.exp() * logp).sum(-1)
 
 
 def chunked_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
-                     chunk: int, entropy: bool = False
+                     chunk: int, entropy: bool | Literal["grad"] = False
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden))[targets] per token, `chunk` tokens at a time.
 
     `head` maps hidden states [n, H] to logits [n, V] (the final norm and the LM head); `hidden` is [..., H] and
     `targets` its leading shape. Returns log-probs of targets' shape, in fp32 (fp64 for fp64 logits); with
-    `entropy`, also each position's entropy of the whole distribution (no autograd), as the pair (logp, entropy).
+    `entropy`, also each position's entropy of the whole distribution (no autograd; "grad": with autograd, for the
+    entropy bonus), as the pair (logp, entropy).
     """
+    grad_entropy = entropy == "grad"
     lead = hidden.shape[:-1]
     if targets.shape != lead:
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states' positions {tuple(lead)}")
@@ -63,7 +66,7 @@ def chunked_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch
         logits = head(x)
         logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         picked = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
-        return (picked, _entropy(logp)) if with_entropy else (picked,)
+        return (picked, _entropy(logp, grad_entropy)) if with_entropy else (picked,)
 
     outs: list[tuple[torch.Tensor, ...]] = []
     for s in range(0, max(n, 1), chunk):
@@ -72,8 +75,8 @@ def chunked_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch
             first = [True]
 
             def run(x: torch.Tensor, t: torch.Tensor, first: list[bool] = first) -> tuple[torch.Tensor, ...]:
-                # the entropy (no autograd) only in the forward; the backward's recompute needs the log-probs
-                with_entropy, first[0] = entropy and first[0], False
+                # an entropy without autograd only in the forward: the backward's recompute needs the log-probs
+                with_entropy, first[0] = bool(entropy) and (first[0] or grad_entropy), False
                 return piece(x, t, with_entropy)
 
             outs.append(checkpoint(run, x, t, use_reentrant=False))

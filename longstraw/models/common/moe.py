@@ -11,11 +11,17 @@ tests, odd sizes) take the loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .mlp import SwiGLU
+
+if TYPE_CHECKING:
+    from ...state import Segment
 
 
 class TopkRouter(nn.Module):
@@ -28,8 +34,11 @@ class TopkRouter(nn.Module):
         # only shifts which experts are chosen, never their weights; updated by load balancing, not by gradient
         self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (weights [N, top_k] with autograd, expert indices [N, top_k])."""
+    def forward(self, x: torch.Tensor, route: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, top_k] with autograd, expert indices [N, top_k]). `route(chosen)`, if
+        given, turns the router's choice into the experts taken (routing replay); the weights are the router's
+        scores at those, normalised as usual, so the router still gets its gradient."""
         acc = torch.promote_types(x.dtype, torch.float32)
         scores = F.linear(x.to(acc), self.weight.to(acc)).sigmoid()
         with torch.no_grad():
@@ -40,6 +49,8 @@ class TopkRouter(nn.Module):
             keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
             keep = keep[:, :, None].expand_as(per_group).reshape(-1, self.experts)
             idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1).indices
+            if route is not None:
+                idx = route(idx)
         w = scores.gather(1, idx)
         if self.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -130,7 +141,24 @@ class MoE(nn.Module):
         # recomputed whole under per-layer checkpointing: tiles would multiply the expert-parallel all-to-alls
         self.recompute_tiles = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seg: Segment | None = None, layer: int | None = None) -> torch.Tensor:
+        """x [B, T, hidden]; with `seg`, the tokens go to the experts `seg.route(layer, ...)` gives (replayed or
+        recorded routing, state/segment.py)."""
         flat = x.reshape(-1, x.shape[-1])
-        w, idx = self.gate(flat)
+        stored = expert_id_dtype(self.gate.experts)  # what a recording keeps: GLM-5's ids in uint8
+        route = None if seg is None else \
+            lambda chosen: seg.route(layer, chosen.view(*x.shape[:-1], -1), stored).reshape(chosen.shape)
+        w, idx = self.gate(flat, route)
         return self.experts(flat, idx, w).view_as(x) + self.shared_experts(x)
+
+
+def expert_id_dtype(experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds the ids of `experts` experts (stored routing: GLM-5's 256 in uint8)."""
+    if experts <= 256:
+        return torch.uint8
+    return torch.int16 if experts <= 2**15 else torch.int32
+
+
+def moe_layers(model: nn.Module) -> dict[int, TopkRouter]:
+    """The router of each MoE layer of a `CausalLM`, by decoder-layer index (none for a dense model)."""
+    return {i: layer.mlp.gate for i, layer in enumerate(model.decoder_layers) if isinstance(layer.mlp, MoE)}

@@ -4,8 +4,8 @@ plus one layer's activations at a time, not every layer's.
 
 Two things make a layer of ours more than a function of its input:
 - it reads and writes its `Segment`: the state it emits, and DSA's top-k selection that the next "shared" layers
-  reuse. The recompute runs with the selection the layer saw the first time and leaves the segment as it found
-  it;
+  reuse. The recompute runs with the selection the layer saw the first time, sends a MoE's tokens to the experts
+  the first run chose, and leaves the segment as it found it;
 - on a sequence-parallel group its forward makes collectives. The recompute is always whole (no early stop), so
   every rank makes the same collectives in the same order whatever tensors its own backward needs.
 
@@ -35,20 +35,31 @@ def recomputed(fn: Callable[[torch.Tensor, tuple, Segment], Out], x: torch.Tenso
     """fn(x, rope, seg) (a layer's forward, `capture` or `emit_state`) under activation checkpointing."""
     selection = seg.dsa_topk
     first = True
+    chosen: dict[int, torch.Tensor] = {}  # the experts the first run sent the tokens to, by MoE layer
 
     def run(x: torch.Tensor) -> Out:
         nonlocal first
         if first:
             first = False
-            return fn(x, rope, seg)
-        emitted, after = dict(seg.emitted), seg.dsa_topk
+            recording, routed = seg.record_routing, seg.routed
+            seg.record_routing, seg.routed = True, chosen
+            try:
+                return fn(x, rope, seg)
+            finally:
+                seg.record_routing, seg.routed = recording, routed
+                if recording:
+                    routed.update(chosen)
+        emitted, after, routing, recording = dict(seg.emitted), seg.dsa_topk, seg.routing, seg.record_routing
         seg.dsa_topk = selection
+        # a near-tie of the router may fall the other way in the recompute (kernels that are not bitwise
+        # deterministic): the recompute routes as the forward did
+        seg.routing, seg.record_routing = {**(routing or {}), **chosen}, False
         try:
             return fn(x, rope, seg)
         finally:
             seg.emitted.clear()
             seg.emitted.update(emitted)
-            seg.dsa_topk = after
+            seg.dsa_topk, seg.routing, seg.record_routing = after, routing, recording
 
     with set_checkpoint_early_stop(False):
         return checkpoint(run, x, use_reentrant=False)
