@@ -93,6 +93,7 @@ def grpo_step(config: dict, step: int, weights_version: str, reference_version: 
     replays: list[dict] = []
     prompts: list[dict] = []
     opt: dict = {}
+    first: dict[int, dict] = {}  # epoch 0's state of each group: MoE routing replay's later captures route as it did
 
     def backward(g: int, epoch: int, state: dict) -> None:
         for slices in branch_slices(cfg):
@@ -110,9 +111,12 @@ def grpo_step(config: dict, step: int, weights_version: str, reference_version: 
         states: dict[int, dict] = {}
         for g in range(cfg.groups):
             # epoch > 0: the weights changed, so the prompt is captured again with them
-            caps.append(run(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch)))
+            routing_from = first[g] if cfg.moe_routing_replay and epoch else None
+            caps.append(run(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch,
+                                                 routing_from=routing_from)))
             states[g] = _state(caps[-1])
             if epoch == 0:
+                first[g] = states[g]
                 rolls[g] = run(stages.rollout, dict(weights_version=weights_version, state=states[g], step=step,
                                                     group=g))
                 refs[g] = None

@@ -1,7 +1,7 @@
 """LongStraw: GRPO on very long prompts. Run the prompt once, replay each response on its state, exact gradient."""
 
-from .engine import (MODES, Branches, EngineConfig, capture, grpo_backward, naive_backward, new_dstate, prompt_backward,
-                     replay, score)
+from .engine import (MODES, Branches, EngineConfig, Routing, capture, grpo_backward, naive_backward, new_dstate,
+                     prompt_backward, replay, score)
 from .grpo import GRPOConfig, group_advantages
 from .lora import add_lora
 from .models import SUPPORTED_MODEL_TYPES, build_model, load_model
@@ -18,6 +18,7 @@ __all__ = [
     "EngineConfig",
     "GRPOConfig",
     "PrefixState",
+    "Routing",
     "Sample",
     "SequenceGroup",
     "SequenceParallel",

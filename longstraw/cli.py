@@ -92,7 +92,7 @@ def _plan(args: argparse.Namespace) -> int:
               response_tokens=args.response_tokens, profile=profile, lora=lora, rope_scaling=rope,
               precision=args.precision, offload=args.offload,
               expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel],
-              prompt_order=args.prompt_order)
+              prompt_order=args.prompt_order, routing_replay=args.routing_replay)
     r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
     fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], r["chunk"], args.responses, args.response_tokens, dp=r["dp"],
@@ -179,6 +179,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     p.add_argument("--expert-parallel", choices=("auto", "on", "off"), default="auto",
                    help="MoE under ZeRO-2/3: each rank keeps experts / N whole experts and the tokens travel to them "
                    "(optim.expert_parallel; auto: when the experts split evenly over the GPUs)")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="MoE routing replay (moe_routing_replay): the prompt's recorded experts kept with the state")
     p.add_argument("--responses", type=int, default=8, help="G")
     p.add_argument("--response-tokens", type=int, default=1024, help="R")
     p.add_argument("--activation-kb", type=float, help="activations per token (KB) instead of measuring them")

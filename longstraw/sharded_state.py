@@ -228,3 +228,35 @@ def load_state_shard(url: str, rank: int = 0, ranks: int = 1, *, model: nn.Modul
     return PrefixState(layers, prompt_ids, chunks, manifest["model_fingerprint"], boundaries=boundaries,
                        rows=rows, boundary_every=manifest["boundary_every"], routing=routing)
 
+
+
+def load_state_routing(url: str, *, storage_options: dict | None = None, digest: str | None = None
+                       ) -> dict[int, torch.Tensor] | None:
+    """The MoE routing (engine/routing.py) recorded with the committed sharded state at `url`: by MoE layer, the
+    experts [length, top_k] of the whole `prompt[:-1]`, every shard's rows put back at their positions, on the
+    CPU; None when its capture recorded none. What a later capture of the same prompt forces (`capture(routing=)`),
+    whatever the weights now: only the routing arrays are read, every file verified (CorruptArtefact names `url`,
+    as `load_state_shard`)."""
+    url = url.rstrip("/")
+    top = read_sharded_manifest(url, storage_options, digest)
+    whole: dict[int, torch.Tensor] = {}
+    try:
+        for rank, record in enumerate(top["shards"]):
+            where = shard_url(url, rank)
+            manifest = read_manifest(where, storage_options, SHARD_FORMAT, "prefix state shard", record["sha256"])
+            if manifest.get("routing") is None:  # recorded by every shard or by none
+                return None
+            root = zarr.open_group(_ChecksumStore(_zarr_store(where, storage_options, read_only=True),
+                                                  manifest["checksums"], where, verify=True,
+                                                  what="prefix state shard"), mode="r", zarr_format=3)
+            positions = RowMap(tuple(tuple(block) for block in manifest["blocks"])).positions()
+            for j, spec in manifest["routing"].items():
+                ids = _to_torch(root[f"routing/{j}"][...], _dtype(spec["dtype"]), torch.device("cpu"))
+                if list(ids.shape) != spec["shape"] or ids.shape[0] != positions.numel():
+                    raise ValueError(f"prefix state shard at {where}: routing/{j} holds {tuple(ids.shape)}, not the "
+                                     f"manifest's {spec['shape']} of {positions.numel()} rows")
+                layer = whole.setdefault(int(j), ids.new_zeros(top["length"], ids.shape[1]))
+                layer[positions] = ids
+    except CorruptArtefact as e:
+        raise CorruptArtefact(str(e), url) from e
+    return whole

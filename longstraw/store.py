@@ -208,31 +208,40 @@ def read_manifest(url: str, storage_options: dict | None, fmt: tuple[str, int], 
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------
 
-# Version 2 with the sampler's log-probs added as an optional array: a rollout stored before it still reads (its
-# `sampler_logprobs` None), and an older reader of a newer rollout reads what it knows and ignores the rest.
+# Version 2 with optional arrays added since: the sampler's log-probs, and the MoE routing. A rollout stored before
+# them still reads (its `sampler_logprobs` / `routing` None), and an older reader of a newer rollout reads what it
+# knows and ignores the rest.
 ROLLOUT_FORMAT = ("longstraw.rollout", 2)
+
+BranchRouting = dict[int, torch.Tensor]  # MoE decoder-layer index -> expert ids [response tokens, top_k]
 
 
 class StoredRollout(NamedTuple):
     """A group's sampled answers as stored: token ids, their log-probs at temperature 1 (GRPO's old log-probs), the
-    log-probs under the distribution they were drawn from (None in a rollout stored before they were kept), and
-    the JSON meta (texts, finish reasons, the example)."""
+    log-probs under the distribution they were drawn from (None in a rollout stored before they were kept), the
+    JSON meta (texts, finish reasons, the example), and each answer's MoE routing (None: not recorded)."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     sampler_logprobs: list[torch.Tensor] | None
     meta: dict
+    routing: list[BranchRouting] | None = None
 
 
 def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.Tensor], meta: dict, *,
-                 sampler_logprobs: list[torch.Tensor] | None = None, storage_options: dict | None = None) -> dict:
+                 sampler_logprobs: list[torch.Tensor] | None = None, routing: list[BranchRouting] | None = None,
+                 storage_options: dict | None = None) -> dict:
     """Store a group's sampled responses (token ids), their log-probs (temperature 1), the sampler's log-probs
-    (under the tempered, filtered distribution each token was drawn from) and a JSON-able `meta` (texts, finish
-    reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state."""
+    (under the tempered, filtered distribution each token was drawn from), their MoE routing (`Sample.routing`:
+    by MoE layer, the experts [tokens, top_k] each token's decode step went to) and a JSON-able `meta` (texts,
+    finish reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state. The
+    routing is one array [tokens, MoE layers, top_k] (uint8 up to 256 experts), its layers listed in the
+    manifest: two files, not two per layer."""
     per_token = {"log-prob": logprobs} | ({} if sampler_logprobs is None else {"sampler log-prob": sampler_logprobs})
     for what, values in per_token.items():
         if len(responses) != len(values) or any(r.numel() != v.numel() for r, v in zip(responses, values)):
             raise ValueError(f"save_rollout needs one {what} per response token")
+    layers, packed = (None, None) if routing is None else _pack_routing(responses, routing)
     lengths = torch.tensor([r.numel() for r in responses], dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
 
@@ -245,11 +254,41 @@ def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.T
         if sampler_logprobs is not None:
             arrays["sampler_logprobs"] = _write_tensor(root, "sampler_logprobs",
                                                        torch.cat(sampler_logprobs).float().cpu(), None)
+        extra = {}
+        if packed is not None:
+            arrays["routing"] = _write_tensor(root, "routing", packed, None)
+            extra["routing_layers"] = layers
         name, version = ROLLOUT_FORMAT
         return {"format": name, "format_version": version, "responses": len(responses), "arrays": arrays,
-                "meta": meta}
+                "meta": meta, **extra}
 
     return _write_committed(url, storage_options, write)
+
+
+def _pack_routing(responses: list[torch.Tensor], routing: list[BranchRouting]) -> tuple[list[int], torch.Tensor]:
+    """(the MoE layers, sorted; the routing as [tokens, layers, top_k] on the CPU), every response's checked: the
+    same layers, one integer row of top_k ids per token."""
+    if len(routing) != len(responses):
+        raise ValueError(f"save_rollout got the routing of {len(routing)} responses for {len(responses)}; give one "
+                         "per response")
+    layers = sorted(routing[0]) if routing else []
+    if routing and not layers:
+        raise ValueError("save_rollout got a routing without MoE layers (a dense model routes nothing); pass "
+                         "routing=None")
+    rows = []
+    for i, (r, by_layer) in enumerate(zip(responses, routing)):
+        if sorted(by_layer) != layers:
+            raise ValueError(f"the routing of response {i} has MoE layers {sorted(by_layer)}, response 0's "
+                             f"{layers}; record every response with the same model")
+        for j, ids in by_layer.items():
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() != 2 \
+                    or ids.shape[0] != r.numel():
+                raise ValueError(f"the routing of response {i}, layer {j}: expected integer expert ids [{r.numel()}, "
+                                 f"top_k] (one row per response token), got {ids.dtype} {tuple(ids.shape)}")
+        if len({ids.shape[1] for ids in by_layer.values()}) > 1:
+            raise ValueError(f"the routing of response {i} has layers of different top_k; one array holds them all")
+        rows.append(torch.stack([by_layer[j].cpu() for j in layers], 1))
+    return layers, torch.cat(rows)
 
 
 def load_rollout(url: str, *, storage_options: dict | None = None, digest: str | None = None) -> StoredRollout:
@@ -264,6 +303,8 @@ def load_rollout(url: str, *, storage_options: dict | None = None, digest: str |
               for k, spec in manifest["arrays"].items()}
     o = arrays["offsets"].tolist()
     rows = lambda a: [a[o[i] : o[i + 1]] for i in range(manifest["responses"])]  # noqa: E731
-    sampler = arrays.get("sampler_logprobs")
+    sampler, routed = arrays.get("sampler_logprobs"), arrays.get("routing")
+    routing = None if routed is None else \
+        [{j: r[:, l].contiguous() for l, j in enumerate(manifest["routing_layers"])} for r in rows(routed)]
     return StoredRollout(rows(arrays["tokens"]), rows(arrays["logprobs"]), None if sampler is None else rows(sampler),
-                         manifest["meta"])
+                         manifest["meta"], routing)

@@ -159,6 +159,39 @@ def test_one_rank_shard_is_refused_and_a_many_rank_state_not_loaded_whole(tmp_pa
     assert load_state_shard(url, 1, 2, model=model, weights_version=wv).rows == parts[1].rows
 
 
+
+def test_the_whole_prompts_routing_is_read_back_from_every_shard(tmp_path):
+    """`load_state_routing`: a 2-rank state's MoE routing (each shard its blocks' rows) put back in prompt order,
+    whatever the weights, each file verified; None for a state captured without it."""
+    from longstraw.sharded_state import load_state_routing
+
+    model = model_for("glm_moe_dsa")
+    prompt = torch.randint(0, 97, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    state = ls.capture(model, prompt, 16, record_routing=True)
+    assert set(state.routing) == {1, 2} and state.routing[1].shape == (PROMPT - 1, GLM["num_experts_per_tok"])
+    url = str(tmp_path / "state")
+    parts = []
+    for r in range(2):
+        part = rank_part(state, r, 2)
+        part.routing = {j: ids.index_select(0, part.rows.positions()) for j, ids in state.routing.items()}
+        parts.append(part)
+    records = [sharded_state.save_state_shard(p, url, r, weights_version=WV, shard_tokens=8)
+               for r, p in enumerate(parts)]
+    top = sharded_state.commit_sharded_state(url, records, state=state, weights_version=WV)
+    got = load_state_routing(url, digest=manifest_digest(top))
+    assert set(got) == set(state.routing)
+    assert all(got[j].dtype == torch.uint8 and torch.equal(got[j], ids) for j, ids in state.routing.items())
+    assert not torch.equal(parts[1].routing[1], state.routing[1][: parts[1].rows.rows])  # rank 1's rows: not a prefix
+
+    shard = Path(shard_url(url, 1)) / "routing" / "2" / "c" / "0" / "0"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0x01]))
+    with pytest.raises(CorruptArtefact, match="routing/2/c/0/0' is corrupted") as e:
+        load_state_routing(url)
+    assert e.value.where == url  # the whole state is recaptured
+    plain = tmp_path / "plain"
+    save_state(ls.capture(model, prompt, 16), str(plain), weights_version=WV)
+    assert load_state_routing(str(plain)) is None
+
 def _kill_after(monkeypatch, calls: int) -> None:
     """Make the writer die at its `calls`-th shard write, as a killed process would."""
     real, seen = store._write_shard, []
@@ -277,10 +310,10 @@ def test_rollout_round_trip_corruption_and_bad_input(tmp_path):
     logps = [torch.randn(r.numel()) for r in responses]
     url = str(tmp_path / "rollouts" / "g0")
     save_rollout(url, responses, logps, {"texts": ["a", "b", "c"], "finish_reasons": ["stop", "length", "length"]})
-    got_r, got_lp, got_sampler, meta = load_rollout(url)
+    got_r, got_lp, got_sampler, meta, got_routing = load_rollout(url)
     assert all(torch.equal(a, b) for a, b in zip(got_r, responses)) and len(got_r) == 3
     assert all(torch.equal(a, b) for a, b in zip(got_lp, logps))
-    assert meta["texts"] == ["a", "b", "c"] and got_sampler is None  # none given
+    assert meta["texts"] == ["a", "b", "c"] and got_sampler is None and got_routing is None  # none given
     shard = tmp_path / "rollouts" / "g0" / "logprobs" / "c" / "0"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x10
@@ -325,6 +358,48 @@ def test_rollout_keeps_the_sampler_logprobs_and_verifies_them(tmp_path):
         save_rollout(url, responses, logps, {}, sampler_logprobs=[sampler[0], sampler[1], sampler[2][:3]])
 
 
+
+def test_rollout_keeps_the_moe_routing_and_verifies_it(tmp_path):
+    """Each response's MoE routing (by layer, the experts [tokens, top_k]) round-trips bitwise through one uint8
+    array [tokens, layers, top_k] with the layers in the manifest; the checksums and the digest cover both; a
+    routing that does not fit the responses is refused."""
+    from longstraw.store import load_rollout, save_rollout
+
+    responses = [torch.tensor([5, 2, 258]), torch.tensor([7]), torch.tensor([1, 2, 3, 4])]
+    logps = [torch.randn(r.numel()) for r in responses]
+    g = torch.Generator().manual_seed(0)
+    routing = [{j: torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(r.numel())]).to(torch.uint8)
+                for j in (3, 1)} for r in responses]  # ids up to 255: all of uint8
+    url = str(tmp_path / "g0")
+    manifest = save_rollout(url, responses, logps, {}, routing=routing)
+    assert manifest["arrays"]["routing"] == {"shape": [8, 2, 8], "dtype": "uint8"}
+    assert manifest["routing_layers"] == [1, 3]
+    got = load_rollout(url, digest=manifest_digest(manifest))
+    for a, b in zip(got.routing, routing, strict=True):
+        assert sorted(a) == [1, 3] and all(a[j].dtype == torch.uint8 and torch.equal(a[j], b[j]) for j in b)
+
+    shard = tmp_path / "g0" / "routing" / "c" / "0" / "0" / "0"  # one chunk of the 3-d array
+    clean = shard.read_bytes()
+    shard.write_bytes(clean[:-1] + bytes([clean[-1] ^ 0x02]))
+    with pytest.raises(CorruptArtefact, match="shard 'routing/c/0/0/0' is corrupted"):
+        load_rollout(url)
+    shard.write_bytes(clean)
+    edited = json.loads((tmp_path / "g0" / "manifest.json").read_text())
+    edited["routing_layers"].reverse()  # the layers' order is the manifest's: an edit swaps them
+    with pytest.raises(CorruptArtefact, match="manifest changed"):
+        load_rollout(url, digest=manifest_digest(edited))
+    bad = {
+        "one row per response token": [routing[0], {j: ids[:0] for j, ids in routing[1].items()}, routing[2]],
+        "has MoE layers \\[1\\], response 0's \\[1, 3\\]": [*routing[:2], {1: routing[2][1]}],
+        "expected integer expert ids": [*routing[:2], {j: ids.float() for j, ids in routing[2].items()}],
+        "routing of 2 responses for 3": routing[:2],
+        "without MoE layers": [{}, {}, {}],
+    }
+    for message, r in bad.items():
+        with pytest.raises(ValueError, match=message):
+            save_rollout(url, responses, logps, {}, routing=r)
+    assert load_rollout(url).routing is not None  # refused before anything was written
+
 # A rollout as longstraw stored it before the sampler's log-probs were kept (tests/fixtures/rollout-v2-no-sampler,
 # written by that version's save_rollout): these responses and log-probs, meta {"finish_reasons", "texts"}.
 OLD_ROLLOUT = ([[5, 2, 258], [7]], [[-0.5, -1.25, -2.0], [-0.75]])
@@ -335,7 +410,7 @@ def test_a_rollout_stored_before_the_sampler_logprobs_still_loads():
 
     url = Path(__file__).parent / "fixtures" / "rollout-v2-no-sampler"
     got = load_rollout(str(url))
-    assert got.sampler_logprobs is None
+    assert got.sampler_logprobs is None and got.routing is None
     assert [r.tolist() for r in got.responses] == OLD_ROLLOUT[0]
     assert [lp.tolist() for lp in got.logprobs] == OLD_ROLLOUT[1]
     assert got.meta == {"finish_reasons": ["stop", "length"], "texts": ["a", "b"]}

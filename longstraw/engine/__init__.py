@@ -17,6 +17,7 @@ from .entropy import with_entropy_weights
 from .grpo import MODES, grpo_backward, naive_backward, naive_entropies, reduce_gradients
 from .prompt import prompt_backward
 from .replay import group_entropies, replay, score
+from .routing import Routing
 
 __all__ = [
     "Branches",
@@ -24,6 +25,7 @@ __all__ = [
     "EngineConfig",
     "MODES",
     "PromptGraphs",
+    "Routing",
     "activation_bytes_per_token",
     "boundary_interval",
     "capture",

@@ -85,8 +85,8 @@ def grpo_backward(
     state_bytes = grad_bytes = 0
     summed_here = _share_earlier_gradients(model, parallel)
     if mode == "naive":
-        branches = with_entropy_weights(branches, loss, lambda: naive_entropies(model, prompt, branches.tokens,
-                                                                                engine.head_chunk))
+        branches = with_entropy_weights(branches, loss, lambda: naive_entropies(
+            model, prompt, branches, engine.head_chunk, None if routing is None else routing.prompt))
         totals = naive_backward(model, prompt, branches, loss, progress, head_chunk=engine.head_chunk,
                                 prompt_routing=None if routing is None else routing.prompt)
     else:
@@ -94,7 +94,7 @@ def grpo_backward(
         state = capture(model, prompt, engine, parallel=parallel, exact=exact, progress=progress,
                         record_routing=routing is not None, routing=None if routing is None else routing.prompt)
         branches = with_entropy_weights(branches, loss, lambda: group_entropies(
-            model, state, branches.tokens, engine.branch_batch, parallel=parallel, head_chunk=engine.head_chunk))
+            model, state, branches, engine.branch_batch, parallel=parallel, head_chunk=engine.head_chunk))
         dstate = new_dstate(state) if exact else None
         state_bytes = state.nbytes
         if exact:
@@ -149,14 +149,17 @@ def naive_backward(model: PrefixLM, prompt: torch.Tensor, branches: Branches, lo
 
 
 @torch.no_grad()
-def naive_entropies(model: PrefixLM, prompt: torch.Tensor, responses: list[torch.Tensor],
-                    head_chunk: int | None = None) -> list[torch.Tensor]:
-    """Each response's per-token entropies from a full forward of prompt + response (naive mode's pre-pass)."""
+def naive_entropies(model: PrefixLM, prompt: torch.Tensor, branches: Branches, head_chunk: int | None = None,
+                    prompt_routing: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each branch's per-token entropies from a full forward of prompt + response, routed as its loss will be
+    (naive mode's pre-pass for the entropy options)."""
     device = next(model.parameters()).device
     out = []
-    for r in responses:
+    for i, r in enumerate(branches.tokens):
         r = r.to(device)
-        _, ent = model.token_logprobs(torch.cat([prompt.to(device), r[:-1]])[None], r[None],
+        seg = Segment(routing=joined(prompt_routing, None if branches.routing is None else branches.routing[i],
+                                     prompt.numel() - 1, r.numel(), device))
+        _, ent = model.token_logprobs(torch.cat([prompt.to(device), r[:-1]])[None], r[None], seg,
                                       logits_from=prompt.numel() - 1, head_chunk=head_chunk, entropy=True)
         out.append(ent[0])
     return out

@@ -22,7 +22,7 @@ from .budget import checkpoints_layers
 from .checks import as_responses, check_positions, check_state
 from .chunks import gradients_summed_over_group
 from .config import EngineConfig
-from .routing import batch_routing
+from .routing import Routing, batch_routing, check_replay
 
 token_logprobs = logprobs_from_logits  # log softmax(logits)[targets] in fp32 (fp64 for fp64 models), of given logits
 
@@ -71,17 +71,22 @@ def replay_logprobs(
 
 @torch.no_grad()
 def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch: int = 1, *,
-          parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None) -> list[torch.Tensor]:
+          parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None,
+          routing: Sequence[dict[int, torch.Tensor] | None] | None = None) -> list[torch.Tensor]:
     """Per-token log-probabilities of each response given the captured prompt (no autograd), the LM head over
-    `head_chunk` tokens at a time (`EngineConfig.head_chunk`). On a group, every rank passes its shard of the
-    state and the same responses, and gets the same result."""
+    `head_chunk` tokens at a time (`EngineConfig.head_chunk`). `routing`: each response's MoE routing to replay
+    (`Sample.routing`; engine/routing.py), as the loss will. On a group, every rank passes its shard of the state
+    and the same responses, and gets the same result."""
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config)
+    if routing is not None:
+        routing = list(check_replay(model, Routing(branches=routing), state.length, resp).branches)
     parallel.check_agree("score settings", {"branch_batch": branch_batch, "branches": len(resp)})
     out: list[torch.Tensor] = []
     for b in range(0, len(resp), branch_batch):
-        out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel, head_chunk=head_chunk)
+        out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel, head_chunk=head_chunk,
+                               routing=None if routing is None else routing[b : b + branch_batch])
     return out
 
 
@@ -143,14 +148,15 @@ def reduce_totals(totals: dict[str, float], parallel: SequenceGroup, spread: boo
 
 
 @torch.no_grad()
-def group_entropies(model: PrefixLM, state: PrefixState, responses: list[torch.Tensor], branch_batch: int = 1, *,
+def group_entropies(model: PrefixLM, state: PrefixState, branches: Branches, branch_batch: int = 1, *,
                     parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None) -> list[torch.Tensor]:
-    """Each response's per-token entropies on the captured prompt, no autograd: every rank of a group scores
-    every response (the top-entropy quantile is the whole group's)."""
+    """Each branch's per-token entropies on the captured prompt (routed as its loss will be), no autograd: every
+    rank of a group scores every branch (the top-entropy quantile is the whole group's)."""
     out: list[torch.Tensor] = []
-    for b in range(0, len(responses), branch_batch):
-        _, ents = replay_logprobs(model, state, responses[b : b + branch_batch], parallel=parallel,
-                                  head_chunk=head_chunk, entropy=True)
+    for b in range(0, len(branches), branch_batch):
+        batch = branches.select(range(b, min(b + branch_batch, len(branches))))
+        _, ents = replay_logprobs(model, state, batch.tokens, parallel=parallel, head_chunk=head_chunk, entropy=True,
+                                  routing=batch.routing)
         out += ents
     return out
 

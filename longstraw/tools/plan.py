@@ -35,8 +35,9 @@ import torch
 
 from ..engine import EngineConfig, boundary_interval
 from ..engine.chunks import checkpoint_every
+from ..engine.routing import prompt_moe_layers
 from ..models.common.head import default_head_chunk
-from ..models.common.moe import MoE
+from ..models.common.moe import MoE, expert_id_dtype
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
 from ..models.registry import build, config_from_hf
@@ -160,7 +161,7 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
          response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
          lora: dict | None = None, rope_scaling: dict | None = None, precision: Precision = "bf16-mixed",
          offload: Offload = "none", head_chunk: int | None = None, expert_parallel: bool | None = None,
-         prompt_order: str = "auto") -> dict:
+         prompt_order: str = "auto", routing_replay: bool = False) -> dict:
     """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
     prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
     those leaving a tenth of the GPU, then without checkpointing (one forward less), then the largest chunk
@@ -171,7 +172,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     `rope_scaling` (as `load_model`'s) extends the model's positions: "fits" needs them to cover prompt +
     response (`positions_accepted`). `expert_parallel` (None: as `shard_model` decides) keeps a MoE model's experts
     whole on their ranks. `prompt_order` as `EngineConfig.prompt_order` (auto: layer by layer under ZeRO-3 when its
-    checkpoints fit a quarter of the GPU)."""
+    checkpoints fit a quarter of the GPU). `routing_replay` (`moe_routing_replay`): each rank keeps its prompt
+    tokens' recorded experts with the state."""
     if prompt_order not in ("auto", "chunks", "layers"):
         raise ValueError(f"prompt order {prompt_order!r}: auto, chunks or layers")
     hf_config = with_rope_scaling(hf_config, rope_scaling)
@@ -198,7 +200,8 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
                                        "cuda" if profile.gpu else "cpu"),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
              "expert_parallel": ep,
-             "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0}
+             "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0,
+             "routing": routing_bytes_per_token(meta) * tokens / c if routing_replay else 0.0}
     # under ZeRO-3 the engine's `auto` order is searched against the chunk order, which holds no layer-major
     # checkpoints
     orders = ["auto", "chunks"] if prompt_order == "auto" and zero == 3 else [prompt_order]
@@ -222,7 +225,7 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     params, adapters, model_state, attn = fixed["params"], fixed["adapters"], fixed["model_state"], fixed["attn"]
     gathered, reduction = fixed["fsdp"]
     rows = size["bytes_per_token"] * tokens / c
-    state = rows + size["fixed_bytes"]
+    state = rows + size["fixed_bytes"] + fixed["routing"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
     budget = gpu_mem_gb * 1e9
     mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
@@ -257,7 +260,8 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     exact = common + dstate + boundaries + by_layer + max(chunk_peak + gathered, branch_peak + gathered, reduction)
     detached = common + max(branch_peak + gathered, reduction)  # its capture runs without autograd
     per_rank = {"weights, gradients, optimizer": model_state["device"], "FSDP gathered units": gathered,
-                "state shard": state,
+                "state shard": state - fixed["routing"],
+                **({"MoE routing (replay)": fixed["routing"]} if fixed["routing"] else {}),
                 "dState shard": dstate, "boundary states": boundaries, "layer-major checkpoints": by_layer,
                 "one chunk's activations": chunk_act, "chunk backward transients": chunk_peak - chunk_act,
                 "one branch's activations": branch_act, "LM head chunk + queries": branch_peak - branch_act,
@@ -275,6 +279,13 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
         "exact_bytes": exact, "detached_bytes": detached, "exact_fits": exact <= budget,
         "detached_fits": detached <= budget, **_positions(meta.config, tokens + response_tokens),
     }
+
+
+def routing_bytes_per_token(meta) -> int:
+    """Bytes of one prompt token's recorded experts under MoE routing replay (engine/routing.py): top-k ids in every
+    MoE layer but the last decoder layer, in the narrowest integer dtype (GLM-5: 8 x 1 byte x 74 layers)."""
+    routers = prompt_moe_layers(meta)
+    return sum(r.top_k * torch.empty((), dtype=expert_id_dtype(r.experts)).element_size() for r in routers.values())
 
 
 def _positions(model_cfg, positions: int) -> dict:

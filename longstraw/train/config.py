@@ -206,6 +206,13 @@ class TrainConfig(_Strict):
         "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier")
     mode: Literal["naive", "detached", "exact"] = "exact"
     epochs: int = Field(1, ge=1, description="optimizer updates per rollout (>1: off-policy, clipping active)")
+    moe_routing_replay: bool = Field(
+        False, description="MoE routing replay (R3, engine/routing.py; MoE models only, e.g. GLM-5): the rollout "
+        "records the experts each sampled token went to and stores them with it, the capture keeps the prompt's "
+        "with the state, and replay and the prompt backward route every token to those experts instead of "
+        "re-routing; later epochs of a step capture the prompt with the epoch-0 routing, so every update of the "
+        "step is computed on the experts that produced the samples. The KL reference model (another model) routes "
+        "by itself")
     grpo: GRPOConfig = Field(GRPOConfig(), description="the loss: clipping, KL, aggregation")
     engine: EngineConfig = Field(EngineConfig(), description="how its gradient is computed: prompt chunk, branch "
                                  "batch, kept graphs, boundary states (time and memory, never the gradient)")

@@ -6,7 +6,8 @@ are the ops of `worker.Worker`, kept resident on every rank of the run (spmd.py)
 One step, for each group g (one prompt) and each epoch e:
   capture(g, e) -> rollout(g) [e = 0 only] -> reference(g) [kl_coef > 0] -> reward(g)
   -> replay(g, e, branch slices) per task -> prompt(g, e) [exact mode]; then optimizer(e) [-> checkpoint]
-The prompt runs once per step for the policy: the rollout samples from the captured state. When an advantage
+The prompt runs once per step for the policy: the rollout samples from the captured state (with
+`moe_routing_replay`, capture(g, e > 0) routes the prompt as capture(g, 0) did). When an advantage
 needs every group's rewards (`grpo.scale_rewards` batch, `multi_objective_aggregation` normalize_then_sum), epoch 0
 runs capture -> rollout -> reference -> reward for all groups first, then advantages(g) for each (`advantage_stage`),
 then each group's replays and prompt backward (its state read back from the store).
@@ -24,6 +25,7 @@ from ..data import Example, check_vocab, load_tokenizer
 from ..grpo.advantages import advantages, needs_batch, weighted_rewards
 from ..grpo.rewards import compute_rewards, get_reward
 from ..lora import check_lora_targets
+from ..models.common.moe import moe_layers
 from ..models.registry import build, config_from_hf
 from ..files import Artefact
 from ..store import StoredRollout, load_rollout
@@ -49,7 +51,8 @@ def example_record(ex: Example) -> dict:
 
 def preflight(cfg: TrainConfig) -> None:
     """Check what the stages would find only later, before any work: the reward resolves, the task and its
-    options make a prompt, the tokenizer covers it, and prompt + answers fit the model's positions."""
+    options make a prompt, the tokenizer covers it, LoRA's targets and MoE routing replay's experts are in the
+    model, and prompt + answers fit the model's positions."""
     tok = load_tokenizer(cfg.tokenizer)
     ids = prompt_ids(tok, step_example(cfg, tok, 0, 0))
     for name in cfg.rewards:
@@ -57,9 +60,14 @@ def preflight(cfg: TrainConfig) -> None:
     hf = cfg.model.hf_config()
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
-    if cfg.lora is not None:  # the targets name modules of this model (checked on a weightless copy)
+    if cfg.lora is not None or cfg.moe_routing_replay:  # checked on a weightless copy
         with torch.device("meta"):
-            check_lora_targets(build(hf), cfg.lora.target_modules)
+            skeleton = build(hf)
+        if cfg.lora is not None:  # the targets name modules of this model
+            check_lora_targets(skeleton, cfg.lora.target_modules)
+        if cfg.moe_routing_replay and not moe_layers(skeleton):
+            raise ValueError(f"moe_routing_replay replays the experts a MoE model's tokens were routed to, but this "
+                             f"{hf['model_type']} model has no MoE layer; set moe_routing_replay: false")
     if len(ids) - 1 < (sp := cfg.pipeline.sequence_parallel):
         raise ValueError(f"a prompt of {len(ids)} tokens leaves some of the {sp} sequence-parallel ranks without a "
                          "token; raise prompt_tokens or lower pipeline.sp")

@@ -9,9 +9,15 @@ stays in memory:
 - gradients accumulate in `param.grad` (FSDP: the rank's shard) over every replay and prompt op of an update;
   dLoss/dState of a group accumulates over its replay ops in `self._dstate` and is consumed by its prompt op;
 - the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing;
-- so do the last rollout's answers, log-probs, sampler log-probs and finish reasons (`self._rollout`) and the KL
-  reference's log-probs (`self._reference_logps`): reference and replay read them from the store only after a
-  resume.
+- so do the last rollout's answers, log-probs, sampler log-probs, finish reasons and MoE routing (`self._rollout`)
+  and the KL reference's log-probs (`self._reference_logps`): reference and replay read them from the store only
+  after a resume.
+
+MoE routing replay (`moe_routing_replay`, engine/routing.py): epoch 0's capture records the prompt's experts with
+the state, and the rollout each answer's with the rollout (both stored); replay routes the answers as the rollout
+did, the prompt backward the prompt as its state says. A later epoch's capture (new weights) takes epoch 0's
+routing from its stored state (`routing_from`), so every update of a step is computed on the experts that produced
+the samples.
 
 What resume needs is stored, and nothing model-sized per op: prefix-state shards (each written by the rank that
 owns its tokens; sharded_state.py), rollouts, references, and checkpoints every `pipeline.checkpoint_every`
@@ -40,13 +46,15 @@ from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
 from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, new_dstate,
                       prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
+from ..engine.routing import Routing, check_replay, prompt_moe_layers
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
 from ..models import build_model, load_model, meta_model
 from ..parallel import shard_from_rank0, shard_model
 from ..rollout import Sample, rollout
-from ..sharded_state import commit_sharded_state, load_state_shard, read_sharded_manifest, save_state_shard, uncommit
+from ..sharded_state import (commit_sharded_state, load_state_routing, load_state_shard, read_sharded_manifest,
+                             save_state_shard, uncommit)
 from ..state import LayerState, PrefixState
 from ..store import manifest_digest, save_rollout
 from .artifacts import load_json, load_tensors, save_tensors
@@ -62,12 +70,14 @@ from .inputs import example_record, make_prompt, read_rollout
 class Answers(NamedTuple):
     """What a group's reference and replay ops take of its rollout (rank 0's values, as the store holds them): the
     answers' token ids, their log-probs at temperature 1, their log-probs under the distribution the sampler drew
-    them from (None: a rollout stored before those were kept), and why each ended ("stop" or "length")."""
+    them from (None: a rollout stored before those were kept), why each ended ("stop" or "length"), and each one's
+    MoE routing: by MoE layer, the experts [tokens, top_k] (None: not recorded)."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     sampler_logprobs: list[torch.Tensor] | None
     finish_reasons: list[str]
+    routing: list[dict[int, torch.Tensor]] | None = None
 
 
 def next_version(version: str, update: int) -> str:
@@ -213,10 +223,15 @@ class Worker:
         return {"checkpoint": str(latest), "update": self.update, "weights_version": self.weights_version,
                 "reference_version": None if ref is None else ref["weights_version"], "model_loads": self.model_loads}
 
-    def capture(self, weights_version: str, step: int, group: int, epoch: int) -> dict:
-        """Capture the group's prompt and store its prefix state: each owner writes its token range's shard."""
+    def capture(self, weights_version: str, step: int, group: int, epoch: int, routing_from: dict | None = None
+                ) -> dict:
+        """Capture the group's prompt and store its prefix state: each owner writes its token range's shard.
+
+        MoE routing replay: epoch 0 records the prompt's routing with the state; a later epoch routes the prompt as
+        `routing_from` (epoch 0's stored state, {url, sha256}) recorded it."""
         cfg = self.cfg
         self._check_version(weights_version)
+        routing = self._prompt_routing(epoch, routing_from)
         prompt, ex = make_prompt(cfg, step, group, self.model.config.vocab_size)
         url = f"{cfg.paths().store_url}/states/step-{step:06d}/group-{group:03d}/epoch-{epoch:02d}"
         rank, ranks = self._sp_rank
@@ -224,7 +239,8 @@ class Worker:
             uncommit(url, cfg.store.storage_options)  # before any shard is rewritten
         with self._meter() as m:
             # exact mode: the boundary states are stored with the state; the kept chunk graphs stay in memory
-            state = capture(self.model, prompt, cfg.engine, parallel=self.parallel, exact=cfg.mode == "exact")
+            state = capture(self.model, prompt, cfg.engine, parallel=self.parallel, exact=cfg.mode == "exact",
+                            record_routing=cfg.moe_routing_replay, routing=routing)
             mine = (save_state_shard(state, url, rank, weights_version=weights_version,
                                      shard_tokens=cfg.store.shard_tokens, storage_options=cfg.store.storage_options)
                     if self._writes_shards else None)
@@ -241,6 +257,31 @@ class Worker:
                 "state_bytes": state.nbytes, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
 
+    def _prompt_routing(self, epoch: int, routing_from: dict | None) -> dict[int, torch.Tensor] | None:
+        """The whole prompt's routing a capture forces: under MoE routing replay, a later epoch's is epoch 0's, read
+        from its stored state (every rank reads all of it: capture keeps its own rows); None otherwise."""
+        if not self.cfg.moe_routing_replay:
+            if routing_from is not None:
+                raise ValueError("capture got routing_from, but moe_routing_replay is off; leave routing_from unset")
+            return None
+        if epoch == 0:
+            if routing_from is not None:
+                raise ValueError("epoch 0's capture records the prompt's routing; routing_from is for later epochs")
+            return None
+        if routing_from is None:
+            raise ValueError(f"epoch {epoch}'s capture under moe_routing_replay routes the prompt as epoch 0 did: pass "
+                             "routing_from, epoch 0's stored state ({url, sha256})")
+        if not prompt_moe_layers(self.model):  # no MoE layer runs on the prompt: nothing recorded, nothing to force
+            return None
+        routing = self._agree(lambda: load_state_routing(routing_from["url"],
+                                                         storage_options=self.cfg.store.storage_options,
+                                                         digest=routing_from["sha256"]))
+        if routing is None:
+            raise ValueError(f"the prefix state at {routing_from['url']} was captured without its MoE routing, which "
+                             "moe_routing_replay forces at later epochs: delete it so that its step captures it again, "
+                             "or set moe_routing_replay: false")
+        return routing
+
     def rollout(self, weights_version: str, state: dict, step: int, group: int) -> dict:
         """Sample G answers from the prefix state (shared by all branches) and store them (rank 0). Each
         data-parallel group samples its slice of the G (the slice it replays) and rank 0 gathers them: the same
@@ -254,7 +295,7 @@ class Worker:
             samples = rollout(self.model, prefix, n=len(mine), max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
                               seed=example_seed(cfg.seed, step, group), parallel=self.parallel,
-                              first_branch=mine.start)
+                              first_branch=mine.start, record_routing=cfg.moe_routing_replay)
             if len(mine) < cfg.responses:
                 samples = self._gather_samples(samples)
         lengths = [s.tokens.numel() for s in samples]
@@ -268,6 +309,7 @@ class Worker:
             url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
             manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                                     sampler_logprobs=[s.sampler_logprobs for s in samples],
+                                    routing=[s.routing for s in samples] if cfg.moe_routing_replay else None,
                                     storage_options=cfg.store.storage_options)
             stored = Artefact(url, manifest_digest(manifest))
             out |= stored.to_json()
@@ -279,9 +321,15 @@ class Worker:
         tokens = [s.tokens.to(torch.int64).cpu() for s in samples]
         logps = [s.logprobs.float().cpu() for s in samples]
         sampler = [s.sampler_logprobs.float().cpu() for s in samples]
-        stored, (tokens, logps, sampler) = self._as_rank0_stored(stored, [tokens, logps, sampler])
+        # the routing as one list of tensors per MoE layer (the store's values: its integer ids, in their dtype)
+        layers = sorted(samples[0].routing) if self.cfg.moe_routing_replay else []
+        by_layer = [[s.routing[j].cpu() for s in samples] for j in layers]
+        stored, (tokens, logps, sampler, *by_layer) = self._as_rank0_stored(stored, [tokens, logps, sampler,
+                                                                                     *by_layer])
+        routing = [{j: ids[i] for j, ids in zip(layers, by_layer)} for i in range(len(samples))] \
+            if self.cfg.moe_routing_replay else None
         # finish reasons follow from the tokens (a stop id last or not), and every rank holds rank 0's tokens
-        self._rollout = (stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples]))
+        self._rollout = (stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples], routing))
 
     def _as_rank0_stored(self, stored: Artefact | None, lists: list[list[torch.Tensor]]
                          ) -> tuple[Artefact, list[list[torch.Tensor]]]:
@@ -302,7 +350,7 @@ class Worker:
         if self._rollout is None or self._rollout[0] != artefact:
             got = self._agree(lambda: read_rollout(self.cfg, artefact))
             self._rollout = (artefact, Answers(got.responses, got.logprobs, got.sampler_logprobs,
-                                               got.meta["finish_reasons"]))
+                                               got.meta["finish_reasons"], got.routing))
         return self._rollout[1]
 
     def _check_sampler_logprobs(self, answers: Answers, rollout: dict) -> None:
@@ -318,12 +366,17 @@ class Worker:
     def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
         """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
         mine = {"dp": self.parallel.dp_rank, "sp": self.parallel.rank,
-                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason]
+                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason,
+                             None if s.routing is None else {str(j): ids.tolist() for j, ids in s.routing.items()}]
                             for s in samples]}
         slices = sorted((r for r in self.ranks.gather(mine) if r["sp"] == 0), key=lambda r: r["dp"])
         fp32 = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
-        return [Sample(torch.tensor(t, dtype=torch.long), fp32(lp), fp32(slp), reason)
-                for r in slices for t, lp, slp, reason in r["samples"]]
+        # expert ids in the dtype this rank's own samples hold them in (every group records alike)
+        dtypes = {str(j): ids.dtype for j, ids in (samples[0].routing or {}).items()}
+        experts = lambda routed: {int(j): torch.tensor(v, dtype=dtypes[j]) for j, v in routed.items()}  # noqa: E731
+        return [Sample(torch.tensor(t, dtype=torch.long), fp32(lp), fp32(slp), reason,
+                       None if routed is None else experts(routed))
+                for r in slices for t, lp, slp, reason, routed in r["samples"]]
 
     def reference(self, reference_version: str, state: dict, rollout: dict, step: int, group: int) -> dict:
         """Log-probs of the sampled answers (`rollout`: an `Artefact`'s JSON) under the frozen initial weights (the
@@ -378,10 +431,13 @@ class Worker:
             old_logprobs=answers.logprobs if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
             ref_logprobs=ref_logps, sampler_logprobs=answers.sampler_logprobs,
             truncated=[reason == "length" for reason in answers.finish_reasons])
+        if cfg.moe_routing_replay:  # the answers' tokens go to the experts the rollout sent them to
+            group_branches = replace(group_branches, routing=self._replayed_routing(answers, rollout, state, prefix))
         with self._meter() as m:
             mine = self._entropy_weighted(group_branches, prefix, group, epoch).select(branches[self.parallel.dp_rank])
-            if cfg.mode == "naive":
-                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo)
+            if cfg.mode == "naive":  # one process: the state's routing is the whole prompt's
+                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo,
+                                        prompt_routing=prefix.routing if cfg.moe_routing_replay else None)
             else:
                 dstate = None
                 if cfg.mode == "exact":
@@ -393,6 +449,21 @@ class Worker:
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": tokens / max(m.seconds, 1e-9)}
 
+    def _replayed_routing(self, answers: Answers, rollout: dict, state: dict, prefix: PrefixState
+                          ) -> list[dict[int, torch.Tensor]]:
+        """The answers' routing (MoE routing replay), checked against the model; a rollout or a state stored
+        without theirs (by an older longstraw, or a run without the option) cannot be replayed as sampled."""
+        if answers.routing is None:
+            raise ValueError(f"the rollout at {rollout['path']} was stored without its MoE routing, which "
+                             "moe_routing_replay replays: delete it so that its step samples it again, or set "
+                             "moe_routing_replay: false")
+        if prefix.routing is None and prompt_moe_layers(self.model):
+            raise ValueError(f"the prefix state at {state['url']} was captured without its MoE routing, which "
+                             "moe_routing_replay keeps with the state: delete it so that its step captures it again, "
+                             "or set moe_routing_replay: false")
+        return list(check_replay(self.model, Routing(branches=answers.routing), prefix.length,
+                                 answers.responses).branches)
+
     def _entropy_weighted(self, group_branches: Branches, prefix: PrefixState, group: int, epoch: int) -> Branches:
         """The group's branches with the entropy options' mask and bonus weights (`with_entropy_weights`): the
         whole group's, computed by the group's first replay op and kept for the others until the optimizer step."""
@@ -402,9 +473,10 @@ class Worker:
         if (group, epoch) not in self._entropy:
             head = cfg.engine.head_chunk
             if cfg.mode == "naive":
-                scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches.tokens, head)  # noqa: E731
+                scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches, head,  # noqa: E731
+                                                 prefix.routing)
             else:
-                scored = lambda: group_entropies(self.model, prefix, group_branches.tokens,  # noqa: E731
+                scored = lambda: group_entropies(self.model, prefix, group_branches,  # noqa: E731
                                                  cfg.engine.branch_batch, parallel=self.parallel, head_chunk=head)
             weighted = with_entropy_weights(group_branches, cfg.grpo, scored)
             self._entropy[(group, epoch)] = (weighted.entropy_keep, weighted.bonus_weights)

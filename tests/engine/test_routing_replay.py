@@ -17,11 +17,12 @@ import torch
 
 import longstraw as ls
 from longstraw.engine import Branches, new_dstate, prompt_backward, replay
-from longstraw.engine.routing import Routing, check_replay, prompt_moe_layers
+from longstraw.engine.routing import Routing, check_replay, joined, prompt_moe_layers
 from longstraw.engine.chunks import held_rows, prompt_chunks
 from longstraw.models.common.moe import moe_layers
 from longstraw.parallel import SequenceGroup, SequenceParallel, full_tensor, shard_model
 from longstraw.sharded_state import load_state_shard, save_state
+from longstraw.state import Segment
 from tests.conftest import GLM, flat_grad, rel_err
 from tests.parallel.launch import run_ranks
 
@@ -290,3 +291,28 @@ def test_compiled_and_static_decodes_record_the_eager_routing(how):
     for a, b in zip(eager, other, strict=True):
         assert torch.equal(a.tokens, b.tokens)
         assert a.routing.keys() == b.routing.keys() and all(torch.equal(a.routing[j], b.routing[j]) for j in a.routing)
+
+
+def test_entropy_options_and_score_take_the_replayed_routing():
+    """The entropy options' group pre-pass and `score` route as the loss does: with perturbed routers, exact with
+    the top-entropy mask and bonus equals naive forced alike, and score's log-probs follow the routing given."""
+    model = glm()
+    prompt, responses, routing = recorded(model)
+    perturb_routers(model, "weight", 3.0)
+    assert rerouted(model, prompt, responses, routing)[1] > 0
+    cfg = ls.GRPOConfig(top_entropy_quantile=0.5, entropy_coef=0.1, loss_type="dapo")
+    g_naive = grad_of(model, "naive", prompt, responses, routing=routing, config=cfg)
+    g_exact = grad_of(model, "exact", prompt, responses, routing=routing, config=cfg,
+                      engine=ls.EngineConfig(prompt_chunk=CHUNK, branch_batch=2))
+    assert rel_err(g_exact, g_naive) <= 1e-10
+    state = ls.capture(model, prompt, CHUNK, routing=routing.prompt)
+    forced = ls.score(model, state, responses, 2, routing=routing.branches)
+    free = ls.score(model, state, responses, 2)
+    checked = check_replay(model, routing, prompt.numel() - 1, responses)
+    for i, r in enumerate(responses):  # a full forward of prompt + response, forced to the same routing
+        seg = Segment(routing=joined(checked.prompt, checked.branches[i], prompt.numel() - 1, r.numel(), "cpu"))
+        with torch.no_grad():
+            want = model.token_logprobs(torch.cat([prompt, r[:-1]])[None], r[None], seg,
+                                        logits_from=prompt.numel() - 1)[0]
+        assert torch.allclose(forced[i], want, rtol=0, atol=1e-10)
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(forced, free))

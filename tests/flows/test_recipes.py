@@ -48,3 +48,36 @@ def test_a_base_that_includes_itself_is_refused(tmp_path):
     b.write_text("base: a.yaml\n")
     with pytest.raises(ValueError, match="includes itself"):
         read_yaml(a)
+
+
+def test_every_option_through_longstraw_train_on_two_ranks_equals_one(tmp_path):
+    """One YAML turning on every kind of loss option (sequence ratio, delta, bias-corrected KL against the
+    reference model, off-policy mask, top-entropy mask and bonus, sampler correction, two weighted rewards with batch
+    scaling, two updates per rollout) through `longstraw train` on 2 gloo ranks (sequence-parallel: the state
+    sharded, each rank replaying its share of the branches) and on 1: the same weights (float64)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.flows.test_ranks import _cli
+    from tests.flows.test_train_flow import config
+
+    grpo = {"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.5, "kl_coef": 0.05,
+            "use_bias_correction_kl": True, "off_policy_mask_threshold": 0.01, "top_entropy_quantile": 0.5,
+            "entropy_coef": 0.01, "rollout_correction": "token_truncate", "rollout_correction_min": 0.5,
+            "rollout_correction_max": 2.0, "scale_rewards": "batch", "reward_weights": [1.0, 0.5]}
+    finals = {}
+    for ranks in (1, 2):
+        name = f"ranks{ranks}"
+        cfg = config(tmp_path / name, dtype="float64", threads=1, steps=1, groups=2, epochs=2, grpo=grpo,
+                     reward=["tests.flows.rewards:digit_share", "tests.flows.rewards:letter_share"])
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        done = _cli(["train", "--config", str(path), "--nproc", str(ranks)], tmp_path)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        history = json.loads((tmp_path / name / "history.json").read_text())
+        assert 0 < history[0]["entropy_kept_frac"] < 1 and history[0]["kl"] > 0, history[0]
+        finals[ranks] = load_file(str(tmp_path / name / "checkpoints" / "update-000002" / "model.safetensors"))
+    start = load_file(str(tmp_path / "ranks1" / "checkpoints" / "update-000000" / "model.safetensors"))
+    assert any(not torch.equal(finals[1][k], start[k]) for k in start)
+    for k in finals[1]:
+        assert torch.allclose(finals[2][k], finals[1][k], rtol=0, atol=1e-6), k

@@ -202,3 +202,18 @@ def test_glm5_fits_32_gpus_with_lora_by_expert_parallelism():
     assert 0.95 * experts <= drop <= experts  # the largest unit is then a dense-MLP layer
     with pytest.raises(ValueError, match="split evenly over the 24 GPUs"):
         plan(glm, 2_100_000, 24, 96, expert_parallel=True, **kw)
+
+
+def test_routing_replay_adds_each_ranks_prompt_experts_to_its_state():
+    """GLM-5 under moe_routing_replay: every MoE layer but the last decoder layer keeps top-8 expert ids of 1 byte
+    (256 experts) per prompt token, a rank its own share; the count is the config's, not the engine's."""
+    cfg = json.loads((REF / "glm5" / "config.json").read_text())
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"] - 1  # the last layer's MLP never runs
+    assert cfg["n_routed_experts"] <= 256
+    kw = dict(zero=3, chunk=4096, checkpoint_layers=True, activation_bytes=10**6)
+    off = plan(cfg, 2_100_000, 8, 141, **kw)
+    on = plan(cfg, 2_100_000, 8, 141, routing_replay=True, **kw)
+    want = moe_layers * cfg["num_experts_per_tok"] * 2_100_000 / 8
+    assert on["per_rank"]["MoE routing (replay)"] == pytest.approx(want)
+    assert "MoE routing (replay)" not in off["per_rank"]
+    assert on["exact_bytes"] - off["exact_bytes"] == pytest.approx(want)

@@ -222,7 +222,8 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
         for p, q in zip(model.parameters(), w.model.parameters()):
             p.copy_(q)
     tok = load_tokenizer(cfg.tokenizer)
-    responses, old, _, _ = inputs.read_rollout(cfg, Artefact.from_json(roll))
+    stored = inputs.read_rollout(cfg, Artefact.from_json(roll))
+    responses, old = stored.responses, stored.logprobs
     ls.grpo_backward(model, prompt_ids(tok, step_example(cfg, tok, 0, 0)), responses, ADV, mode="naive",
                      old_logprobs=old, config=cfg.grpo)
     assert rel_err(got, flat_grad(model)) <= 1e-5
