@@ -469,10 +469,9 @@ def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, 
             ex = make_problem(task, 40_000_000 + k, tokens, tok)
             k += 1
             prompt = torch.tensor(prompt_ids(tok, ex))
-            state = ls.capture(model_, prompt, cfg.engine)
+            state = ls.capture(model_, prompt, cfg.engine, exact=True)  # exact: the prompt backward reuses it
             samples = ls.rollout(model_, state, n=cfg.responses, max_new_tokens=spec.max_new_tokens,
                                  temperature=cfg.temperature, stop_ids=[tok.eos_id], seed=1_000 * k)
-            del state
             if warm is None:
                 rewards = torch.randn(len(samples), generator=torch.Generator().manual_seed(k)).tolist()
             else:
@@ -482,7 +481,9 @@ def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, 
             if not bool(adv.abs().gt(0).any()):
                 continue
             responses = [s.tokens for s in samples]
-            exact, detached, seconds = exact_and_detached(model_, prompt, responses, adv, cfg.grpo)
+            branches = ls.Branches.group(responses, adv, cfg.grpo, vocab_size=model_.config.vocab_size)
+            exact, detached, seconds = exact_and_detached(model_, state, branches, cfg)
+            del state
             r = statistics.fmean(len(x) for x in responses)
             out.append({"model": label, "task": task, "prompt_tokens": tokens, "prompt_len": len(prompt),
                         "response_len": r, "p_over_r": len(prompt) / r, "seconds": seconds,

@@ -1,9 +1,11 @@
 """The convergence study as an end-to-end check of exactness: GRPO training in `naive` and `exact` mode from the
-same seed gives the same run (sampled answers, rewards, weights) up to float rounding; `detached` does not."""
+same seed gives the same run (sampled answers, rewards, weights) up to float rounding; `detached` does not. Its
+gradient-fidelity sweep runs (one prompt, in seconds)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from longstraw.problems import make_problem
 from longstraw.train.config import OptimConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from convergence import GROUPS, RunConfig, TaskSpec, train_run  # noqa: E402
+from convergence import GROUPS, PLANS, RunConfig, TaskSpec, sweep, train_run  # noqa: E402
 
 TINY = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -78,3 +80,13 @@ def test_naive_and_exact_train_alike_detached_does_not(family):
     # and the replay part of exact mode, which the study compares with, is what detached mode steps with
     assert all(h.get("grad_vs_probe", 0.0) < 1e-10 for h in detached)
     assert differ > 1e-6
+
+
+def test_sweep_compares_the_exact_and_detached_gradients():
+    """The sweep once called `exact_and_detached` with an older signature's arguments, and no test ran it."""
+    plan = dataclasses.replace(PLANS["quick"], sweep_tokens=(205,), sweep_prompts=1)
+    rows = sweep("dense", "kv-retrieval", None, plan, load_tokenizer("byte"), False)
+    assert len(rows) == 1 and rows[0]["prompt_tokens"] == 205
+    row = rows[0]
+    # detaching the prompt drops part of the gradient: not the same direction, not the same norm
+    assert -1.0 <= row["cos"] < 0.999 and row["rel_l2"] > 1e-3 and row["norm_ratio"] > 0
