@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # would fetch another torch); its ops compile at first use (JIT, g++ and ninja), cached in .venv/torch_extensions.
 DEEPSPEED_PIN ?= deepspeed>=0.19,<0.20
 
-.PHONY: run test install browser bench clean fla-interp
+.PHONY: run test install browser bench clean fla-interp docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[pipeline,dev,offload]"
+	$(PY) -m pip install -q -e ".[pipeline,dev,offload,docs]"
 	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_PIN)"
 	$(PY) -c "from longstraw.train.offload import build_cpu_adam; print('DeepSpeed CPU Adam op in', build_cpu_adam())" \
 		|| echo "note: DeepSpeed's CPU Adam did not build now; optim.offload builds it at first use"
@@ -86,5 +86,10 @@ test: $(STAMP) $(OLDEST_STAMP) $(FLA_INTERP)/.installed browser
 bench: $(STAMP)
 	$(PY) bench/grpo_step.py
 
+# docs/ as a site in site/ (mkdocs, material theme; the nav in mkdocs.yml); --strict: a broken link is an error.
+docs: $(STAMP)
+	$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info site

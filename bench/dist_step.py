@@ -11,6 +11,7 @@ The parent prints one row per N with the ratio against N = 1 and checks that the
     .venv/bin/python bench/dist_step.py --N 1 2 --zero 3 --order chunks layers   # ZeRO-3: the prompt's two orders
     .venv/bin/python bench/dist_step.py --N 1 2 --hidden 1024 --checkpoint-layers off on   # per-layer checkpointing
     .venv/bin/python bench/dist_step.py --N 1 2 4 --arch glm_moe_dsa --zero 3 --expert-parallel off on   # MoE
+    .venv/bin/python bench/dist_step.py --quick               # smoke run, seconds (plan_vs_step.py reads its JSON)
 
 On CPU every rank is one process with `--threads` threads: with more ranks x threads than cores, the ranks
 share cores and wall time says little; the state bytes per rank and the traffic do not depend on that.
@@ -153,11 +154,14 @@ def main() -> None:
                     "rehearsal's measure; slower)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="bench/out/dist_step.json")
+    ap.add_argument("--quick", action="store_true", help="smoke run: N in {1, 2}, P = 256, G = 2, R = 8, chunk 64")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.quick:
+        args.N, args.P, args.G, args.R, args.prompt_chunk = [1, 2], 256, 2, 8, 64
     print(f"dist_step: arch={args.arch} P={args.P} G={args.G} R={args.R} chunk={args.prompt_chunk} "
           f"threads/rank={args.threads} cores={os.cpu_count()}", flush=True)
     import math

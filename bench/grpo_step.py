@@ -64,8 +64,8 @@ def worker(params: dict) -> dict:
     import torch
 
     import longstraw as ls
-    from longstraw.engine import activation_bytes_per_token, chunk_ranges, kept_chunk_count
-    from longstraw.memory import free_bytes, peak_bytes, release_freed, reset_peak
+    from longstraw.engine import activation_bytes_per_token, chunk_ranges, plan_group
+    from longstraw.memory import peak_bytes, release_freed, reset_peak
 
     torch.set_num_threads(params["threads"])
     p_len, g, r_len = params["P"], params["G"], params["R"]
@@ -85,10 +85,11 @@ def worker(params: dict) -> dict:
     advantages = ls.group_advantages(rewards)  # zero mean: both signs
     cfg = ls.EngineConfig(prompt_chunk=params["prompt_chunk"], prompt_graph_budget=budget, branch_batch=params["branch_batch"])
 
-    # How many prompt chunks exact mode keeps the graph of (the library's own rule, evaluated just before the call).
+    # How many prompt chunks exact mode keeps the graph of (the library's own plan, resolved just before the call).
     chunks = chunk_ranges(p_len - 1, cfg.prompt_chunk)
-    eff_budget = budget if budget is not None else free_bytes(torch.device("cpu")) // 4
-    kept = kept_chunk_count(model, chunks, eff_budget) if lib_mode == "exact" else 0
+    plan = plan_group(model, cfg, p_len, exact=True)
+    kept = plan.kept_graphs if lib_mode == "exact" else 0
+    eff_budget = budget if budget is not None else plan.free_bytes // 4  # the library's default: a quarter of free
     kept_tokens = sum(e - s for s, e in chunks[len(chunks) - kept :]) if kept else 0
 
     if params.get("warmup", True):

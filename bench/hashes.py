@@ -2,7 +2,7 @@
 (google-crc32c, the library behind zarr's crc32c codec), zlib's crc32 and blake2b, one core, streamed in 1 MiB
 blocks as files are hashed.
 
-    .venv/bin/python bench/hashes.py [--mib 512] [--repeat 3]
+    .venv/bin/python bench/hashes.py [--mib 512] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="bench/out/hashes.json")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, once (tests/bench/test_smokes.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.mib, args.repeat = 4, 1
     data = os.urandom(args.mib << 20)
     blocks = [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]  # bytes: what file reads give
     rows = {}

@@ -14,6 +14,7 @@ group, and writing + reading a state-sized shard with the store the pipeline use
 
     .venv/bin/python bench/pipeline.py                                   # tiny model, P = 256, N = 1 and 2
     .venv/bin/python bench/pipeline.py --model 4x1024 --P 16384 --steps 1
+    .venv/bin/python bench/pipeline.py --quick                           # smoke run: one rank, one step
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ def main() -> None:
     ap.add_argument("--graph-budget", type=int, default=None,
                     help="engine.prompt_graph_budget in bytes (default: a quarter of free memory; 0 recomputes every chunk)")
     ap.add_argument("--out", default="bench/out/pipeline.json")
+    ap.add_argument("--quick", action="store_true", help="smoke run: N = 1, G = 2, one step")
     args = ap.parse_args()
+    if args.quick:
+        args.nproc, args.G, args.steps = [1], 2, 1
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

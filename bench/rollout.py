@@ -9,6 +9,7 @@ the first pays the compilation (column `first s`).
     .venv/bin/python bench/rollout.py                    # tiny dense model, 16K-token prompt, n in {1, 8}
     .venv/bin/python bench/rollout.py --arch qwen3_5 --n 1 4 8 16
     .venv/bin/python bench/rollout.py --compile --P 1024  # eager against compiled decoding
+    .venv/bin/python bench/rollout.py --quick             # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8], help="branches")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per branch")
     ap.add_argument("--compile", action="store_true", help="also run each n with the decode step compiled")
+    ap.add_argument("--quick", action="store_true", help="smoke run: P = 128, n in {1, 2}, 4 new tokens")
     args = parse_or_work(ap, "bench/out/rollout.json", worker)
     if args is None:
         return
-    rows = []
+    if args.quick:
+        args.P, args.n, args.tokens = 128, [1, 2], 4
+    rows, failed = [], 0
     print(f"rollout bench: arch={args.arch} P={args.P} new tokens={args.tokens} threads={args.threads}")
     print(f"{'n':>4} {'compile':>8} {'seconds':>8} {'first s':>8} {'tokens/s':>9} {'peak MiB':>9} {'state MiB':>10} "
           f"{'n x state MiB':>14}")
@@ -64,6 +68,7 @@ def main() -> None:
             params = {"arch": args.arch, "P": args.P, "n": n, "tokens": args.tokens, "threads": args.threads,
                       "compile": compile, "static": static}
             if (r := run_or_report(__file__, params)) is None:
+                failed += 1
                 continue
             rows.append(r)
             print(f"{n:>4} {'static' if static else compile or 'off':>8} {r['seconds']:>8.2f} {r['first_seconds']:>8.2f} "
@@ -80,6 +85,8 @@ def main() -> None:
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
+    if failed:  # each failure was printed above; the exit status says so too
+        raise SystemExit(f"{failed} of {failed + len(rows)} runs failed")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Each P runs in its own subprocess.
 
     .venv/bin/python bench/score_memory.py                      # GLM tiny, P in {2K, 8K, 32K, 64K}
     .venv/bin/python bench/score_memory.py --arch dense --P 4096 16384
+    .venv/bin/python bench/score_memory.py --quick                # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ def main() -> None:
     ap.add_argument("--P", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--heads", type=int, default=16, help="attention heads (more heads make heads x P visible)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: P in {128, 256}, R = 8, 4 heads")
     args = parse_or_work(ap, "bench/out/score_memory.json", worker)
     if args is None:
         return
+    if args.quick:
+        args.P, args.R, args.heads = [128, 256], 8, 4
     rows = []
     print(f"{'P':>7} {'state MiB':>10} {'score peak MiB':>15} {'per-head K/V of one layer MiB':>30} {'capture s':>10} {'score s':>8}")
     for p_len in args.P:
@@ -80,6 +84,8 @@ def main() -> None:
               f"(per-head K/V of one layer would be {b['expanded_kv_bytes_per_layer'] / b['P']:.0f} B per token)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
+    if len(rows) < len(args.P):  # each failure was printed above; the exit status says so too
+        raise SystemExit(f"{len(args.P) - len(rows)} of {len(args.P)} runs failed")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ thread per rank.
 
     .venv/bin/python bench/sharded_load.py                      # 4 x 2048 dense, vocab 32000, bf16, N = 2
     .venv/bin/python bench/sharded_load.py --N 2 4 --layers 8
+    .venv/bin/python bench/sharded_load.py --quick              # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_module
 import socket
 import sys
 import tempfile
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import longstraw as ls  # noqa: E402
 import longstraw.models.checkpoint as ckpt  # noqa: E402
 from longstraw.models import load_model, meta_model, write_weights  # noqa: E402
-from longstraw.parallel import shard_from_rank0, shard_model  # noqa: E402
+from longstraw.parallel import ONE_RANK, shard_from_rank0, shard_model  # noqa: E402
 
 WAYS = ("every rank", "rank 0")
 
@@ -67,7 +69,7 @@ def _rank(rank: int, world: int, port: int, path: str, way: str, dtype: str, que
         model = shard_model(load_model(path, dtype=dtype), 3)
     else:
         full = load_model(path, dtype=dtype).state_dict() if rank == 0 else None
-        model = shard_from_rank0(meta_model(path, dtype), full, 3, None, torch.device("cpu"))
+        model = shard_from_rank0(meta_model(path, dtype), full, 3, ONE_RANK, torch.device("cpu"))
         del full
     dist.barrier()
     seconds = time.perf_counter() - t0
@@ -91,10 +93,19 @@ def _run(world: int, path: str, way: str, dtype: str) -> list[dict]:
     procs = [ctx.Process(target=_rank, args=(r, world, port, path, way, dtype, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    out = sorted((queue.get(timeout=900) for _ in range(world)), key=lambda r: r["rank"])
+    out = []
+    while len(out) < world:  # a rank that died (a traceback on stderr) fails the run now, not after a timeout
+        try:
+            out.append(queue.get(timeout=5))
+        except queue_module.Empty:
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{way!r} load on {world} ranks: ranks exited with codes {dead} (see stderr)")
     for p in procs:
         p.join(30)
-    return out
+    return sorted(out, key=lambda r: r["rank"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="bench/out/sharded_load.json")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 256, vocab 1024, N = 2")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.N, args.hidden, args.layers, args.vocab = [2], 256, 2, 1024
     cfg = {"model_type": "qwen3", "vocab_size": args.vocab, "hidden_size": args.hidden,
            "intermediate_size": args.hidden * 11 // 4, "num_hidden_layers": args.layers,
            "num_attention_heads": args.hidden // 128, "num_key_value_heads": max(1, args.hidden // 512),

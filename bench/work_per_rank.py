@@ -414,12 +414,17 @@ def main() -> None:
     ap.add_argument("--collective-timeout", type=float, default=600, help="seconds before a collective gives up")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per torchrun job")
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "work_per_rank.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: dense only, N in {1, 2}, P = 256, chunk 64, G = 2, R = 8, --check-whole")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--arch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.quick:
+        args.P, args.chunk, args.G, args.R, args.ranks, args.archs = 256, 64, 2, 8, [1, 2], ["dense"]
+        args.check_whole = True
     print(f"work_per_rank: P={args.P} G={args.G} R={args.R} chunk={args.chunk} ranks={args.ranks} "
           f"threads/rank={args.threads} (gloo, exact mode, prompt_graph_budget=0: every prompt chunk recomputed)",
           flush=True)

@@ -55,19 +55,11 @@ def _run(cfg: TrainConfig, progress: bool) -> int:
         run_rank(cfg, progress)  # never returns
     _where(cfg)
     if cfg.pipeline.nproc > 1:
-        from longstraw.train.lock import RunLock
-        from longstraw.train.spmd import launch
+        from .launch import launch_failed, launch_ranks
 
-        # fail now, not after starting the ranks, when another run holds it. On several nodes every node checks
-        # before it joins the rendezvous, so before rank 0 (wherever it runs) takes the lock for the run
-        with RunLock(cfg.run_dir):
-            pass
-        code = launch(cfg, progress)
+        code = launch_ranks(cfg, progress)
         if code:
-            p = cfg.pipeline
-            where = f" (node {p.node_rank} of {p.nnodes})" if p.nnodes > 1 else ""
-            print(f"longstraw: the {p.nproc}-rank run failed{where} (exit {code}); `longstraw resume "
-                  f"{cfg.run_dir}` continues it", file=sys.stderr)
+            print(f"longstraw: {launch_failed(cfg, code)}", file=sys.stderr)
         return code if code >= 0 else 1  # torchrun killed by a signal: -N
     from .train import grpo_train
 

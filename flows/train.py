@@ -30,21 +30,23 @@ from longstraw.train.inputs import preflight
 from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 from tasks import stages, tracking
+from tasks.run import Run
 from tasks.stages import configured
+
+from .launch import launch_failed, launch_ranks
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _run(stage: Task, args: dict, *, cfg: TrainConfig, parent: str | None) -> dict:
+def _run(stage: Task, args: dict, *, run: Run, parent: str | None) -> dict:
     """Run one stage task and wait for it. A cached result whose artefact is gone (a deleted state, rollout or
     file) runs again."""
-    t = configured(stage, cfg)
-    config = cfg.model_dump(mode="json")
-    out = t(config, **args, parent_run_id=parent)
+    t = configured(stage, run.config)
+    out = t(run, **args, parent_run_id=parent)
     if gone := missing_artefacts(out):
         get_run_logger().warning("%s: the cached result names artefacts that are gone (%s); computing it again",
                                  stage.name, gone[0])
-        out = t.with_options(refresh_cache=True)(config, **args, parent_run_id=parent)
+        out = t.with_options(refresh_cache=True)(run, **args, parent_run_id=parent)
     return out
 
 
@@ -74,16 +76,16 @@ def _mean(xs: list[float]) -> float:
 
 
 @flow(name="grpo-step", flow_run_name="step-{step}")
-def grpo_step(config: dict, step: int, weights_version: str, reference_version: str | None,
+def grpo_step(run: Run, step: int, weights_version: str, reference_version: str | None,
               parent_run_id: str | None = None) -> dict:
     """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
     -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. When an advantage needs every
     group's rewards (`needs_batch`), epoch 0 scores all groups first, then computes advantages, then replays.
     `weights_version` is the lineage id of the weights the ranks hold at the step's start, `reference_version` that
-    of the KL reference."""
-    cfg = TrainConfig.model_validate(config)
+    of the KL reference. `run`: the run's config, resolved once, and the driver of its ranks."""
+    cfg = run.config
     t0 = time.perf_counter()
-    run = partial(_run, cfg=cfg, parent=parent_run_id)
+    stage = partial(_run, run=run, parent=parent_run_id)
     update = step * cfg.epochs
     caps: list[dict] = []  # every epoch's
     rolls: dict[int, dict] = {}
@@ -97,11 +99,12 @@ def grpo_step(config: dict, step: int, weights_version: str, reference_version: 
 
     def backward(g: int, epoch: int, state: dict) -> None:
         for slices in branch_slices(cfg):
-            replays.append(run(stages.replay, dict(
-                weights_version=weights_version, state=state, rollout=_artefact(rolls[g]), rewards=_artefact(advs[g]),
-                reference=_artefact(refs[g]), step=step, group=g, epoch=epoch, branches=slices)))
+            replays.append(stage(stages.replay, dict(
+                weights_version=weights_version, state=state, rollout=_artefact(rolls[g]),
+                advantages=advs[g]["advantages"], reference=_artefact(refs[g]), step=step, group=g, epoch=epoch,
+                branches=slices)))
         if cfg.mode == "exact":
-            prompts.append(run(stages.prompt, dict(weights_version=weights_version, state=state, step=step, group=g,
+            prompts.append(stage(stages.prompt, dict(weights_version=weights_version, state=state, step=step, group=g,
                                                    epoch=epoch)))
 
     for epoch in range(cfg.epochs):
@@ -112,38 +115,52 @@ def grpo_step(config: dict, step: int, weights_version: str, reference_version: 
         for g in range(cfg.groups):
             # epoch > 0: the weights changed, so the prompt is captured again with them
             routing_from = first[g] if cfg.moe_routing_replay and epoch else None
-            caps.append(run(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch,
+            caps.append(stage(stages.capture, dict(weights_version=weights_version, step=step, group=g, epoch=epoch,
                                                  routing_from=routing_from)))
             states[g] = _state(caps[-1])
             if epoch == 0:
                 first[g] = states[g]
-                rolls[g] = run(stages.rollout, dict(weights_version=weights_version, state=states[g], step=step,
+                rolls[g] = stage(stages.rollout, dict(weights_version=weights_version, state=states[g], step=step,
                                                     group=g))
                 refs[g] = None
                 if cfg.grpo.kl_coef > 0:
-                    refs[g] = run(stages.reference, dict(reference_version=reference_version, state=states[g],
+                    refs[g] = stage(stages.reference, dict(reference_version=reference_version, state=states[g],
                                                          rollout=_artefact(rolls[g]), step=step, group=g))
-                rews[g] = advs[g] = run(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
+                rews[g] = advs[g] = stage(stages.reward, dict(rollout=_artefact(rolls[g]), step=step, group=g))
             if not deferred:
                 backward(g, epoch, states[g])
         if deferred:
             scored = [_artefact(rews[g]) for g in range(cfg.groups)]
             for g in range(cfg.groups):
-                advs[g] = run(stages.advantages, dict(rewards=scored, step=step, group=g))
+                advs[g] = stage(stages.advantages, dict(rewards=scored, step=step, group=g))
             for g in range(cfg.groups):
                 backward(g, epoch, states[g])
-        done = (cfg, caps, list(rolls.values()), list(rews.values()), replays, prompts)
-        opt = run(stages.optimizer, dict(weights_version=weights_version, update=update + epoch, step=step,
-                                         record=_metrics(*done, time.perf_counter() - t0)))
+        record = None  # the step's metrics, for the checkpoint its last update commits (rank 0 writes it)
+        if epoch == cfg.epochs - 1:
+            record = _metrics(cfg, caps, list(rolls.values()), list(rews.values()), replays, prompts,
+                              time.perf_counter() - t0)
+        opt = stage(stages.optimizer, dict(weights_version=weights_version, update=update + epoch, step=step,
+                                           record=record))
         weights_version = opt["weights_version"]
-    metrics = _metrics(*done, time.perf_counter() - t0, opt)
+    # the step's time now includes the optimizer's; its numbers join the record
+    metrics = record | _timing(cfg, caps, replays, time.perf_counter() - t0) | _optimizer_metrics(opt)
     return {"step": step, "weights_version": weights_version, "checkpoint": opt["checkpoint"], "metrics": metrics}
 
 
+def _timing(cfg: TrainConfig, caps: list[dict], replays: list[dict], seconds: float) -> dict:
+    """The step's wall time so far and its throughput: the prompts captured and the branches' tokens, once."""
+    epoch_tokens = sum(r["tokens"] for r in replays) / cfg.epochs
+    return {"step_seconds": seconds, "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + epoch_tokens) / seconds}
+
+
+def _optimizer_metrics(opt: dict) -> dict:
+    return {"grad_norm": opt["grad_norm"], "skipped_updates": opt.get("skipped", 0.0), "lr": opt["lr"],
+            "optimizer_seconds": opt["seconds"]}
+
+
 def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[dict], replays: list[dict],
-             prompts: list[dict], seconds: float, opt: dict | None = None) -> dict:
-    """The step's metrics (before the optimizer step: without its numbers, which it adds itself)."""
-    epoch_tokens = sum(r["tokens"] for r in replays) / cfg.epochs  # the branches' tokens, once
+             prompts: list[dict], seconds: float) -> dict:
+    """The step's metrics before its last optimizer step (`_optimizer_metrics` adds that one's numbers)."""
     m = {
         "reward_mean": _mean([r["reward_mean"] for r in rews]),
         "reward_std": _mean([r["reward_std"] for r in rews]),
@@ -157,8 +174,7 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         "response_len": _mean([r["response_len_mean"] for r in rolls]),
         "prefix_state_bytes": _mean([c["state_bytes"] for c in caps]),  # caps: every epoch's captures
         "peak_bytes": max(x.get("peak_bytes", 0) for x in [*caps, *rolls, *replays, *prompts]),
-        "step_seconds": seconds,
-        "tokens_per_s": (sum(c["prompt_tokens"] for c in caps) + epoch_tokens) / seconds,
+        **_timing(cfg, caps, replays, seconds),
         "capture_seconds": sum(c["seconds"] for c in caps),
         "rollout_seconds": sum(r["seconds"] for r in rolls),
         "reward_seconds": sum(r["seconds"] for r in rews),
@@ -174,9 +190,6 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
         m["entropy_kept_frac"] = sum(r["entropy_kept_tokens"] for r in replays) / tokens
     if cfg.mode == "exact":
         m["prompt_backward_seconds"] = sum(p["seconds"] for p in prompts)
-    if opt is not None:
-        m |= {"grad_norm": opt["grad_norm"], "skipped_updates": opt.get("skipped", 0.0), "lr": opt["lr"],
-              "optimizer_seconds": opt["seconds"]}
     return m
 
 
@@ -201,21 +214,20 @@ def _state(capture: dict) -> dict:
     return {"url": capture["url"], "sha256": capture["sha256"]}
 
 
-def _step_dropping_corrupt(cfg: TrainConfig, step: int, weights_version: str, reference_version: str | None,
+def _step_dropping_corrupt(run: Run, step: int, weights_version: str, reference_version: str | None,
                            parent: str | None) -> dict:
     """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a reward or reference file:
     derived data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached,
     but its artefact is gone now, so it runs again (`_run`), and nothing has to be cleaned up by hand."""
-    config = cfg.model_dump(mode="json")
     try:
-        return grpo_step(config, step, weights_version, reference_version, parent)
+        return grpo_step(run, step, weights_version, reference_version, parent)
     except CorruptArtefact as e:
         fs, where = url_to_fs(e.where)
-        if Path(cfg.paths().checkpoints).resolve() in Path(where).resolve().parents or not fs.exists(where):
+        if Path(run.config.paths().checkpoints).resolve() in Path(where).resolve().parents or not fs.exists(where):
             raise
         get_run_logger().warning("step %d: %s; deleted it, running the step again", step, e)
         fs.rm(where, recursive=True)
-    return grpo_step(config, step, weights_version, reference_version, parent)
+    return grpo_step(run, step, weights_version, reference_version, parent)
 
 
 def _artefact(out: dict | None) -> dict | None:
@@ -237,18 +249,15 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
     outside one (a deployment's run, a script), it starts the job, whose rank 0 runs it again."""
     cfg = TrainConfig.model_validate(config)
     if cfg.pipeline.nproc > 1 and not spmd.joined():
-        return _launch(cfg, progress)
+        return _launched(cfg, progress)
     with RunLock(cfg.run_dir):  # before anything is written: a second run on this directory stops here
         return _train(cfg, progress)
 
 
-def _launch(cfg: TrainConfig, progress: bool) -> dict:
-    with RunLock(cfg.run_dir):  # fail now, not after starting N ranks, when another run holds the directory
-        pass
-    code = spmd.launch(cfg, progress)
-    if code:
-        raise RuntimeError(f"the {cfg.pipeline.nproc}-rank run failed (exit {code}; its ranks' errors are above); "
-                           f"`longstraw resume {cfg.run_dir}` continues it")
+def _launched(cfg: TrainConfig, progress: bool) -> dict:
+    """Start the run's job (whose rank 0 runs this flow again) and return what it left in the run directory."""
+    if code := launch_ranks(cfg, progress):
+        raise RuntimeError(launch_failed(cfg, code))
     latest = latest_checkpoint(cfg.paths().checkpoints)
     return {"checkpoint": str(latest), "history": _history(cfg)[1], "run_dir": cfg.run_dir, "mlflow_run_id": None}
 
@@ -265,18 +274,16 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
     save_json(code_path, {"code": code})
     spmd.clear_failures(cfg)
     driver = Driver(Worker(cfg, spmd.current_ranks()))
-    stages.use_driver(driver)
     try:
-        return _steps(cfg, progress, logger)
+        return _steps(Run.resolve(cfg, driver), progress, logger)
     finally:
         driver.stop()
-        stages.use_driver(None)
 
 
-def _steps(cfg: TrainConfig, progress: bool, logger) -> dict:
+def _steps(run: Run, progress: bool, logger) -> dict:
+    cfg = run.config
     run_dir = Path(cfg.run_dir)
-    config = cfg.model_dump(mode="json")
-    init = configured(stages.start, cfg)(config)
+    init = configured(stages.start, cfg)(run)
     start, weights_version = init["update"] // cfg.epochs, init["weights_version"]
     checkpoint = init["checkpoint"]
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {
@@ -308,7 +315,7 @@ def _steps(cfg: TrainConfig, progress: bool, logger) -> dict:
                 logger.warning("step %d has no record (its checkpoint %s holds none)", step, meta.parent)
         for step in tqdm(range(start, cfg.steps), desc="GRPO steps", unit="step", disable=not progress,
                          initial=start, total=cfg.steps):
-            res = _step_dropping_corrupt(cfg, step, weights_version, init["reference_version"], parent)
+            res = _step_dropping_corrupt(run, step, weights_version, init["reference_version"], parent)
             weights_version, checkpoint = res["weights_version"], res["checkpoint"] or checkpoint
             record(step, res["metrics"])
         status = "FINISHED"

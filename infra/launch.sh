@@ -33,7 +33,7 @@
 # both); DeepSpeed's engine-tuning fields are ignored with a warning, and any other field is refused with the
 # LongStraw option to use instead. DeepSpeed's engine does not run: ZeRO-1 is torch's ZeroRedundancyOptimizer (or
 # LongStraw's partition with mixed precision / offload), ZeRO-2/3 FSDP2, and optimizer offload DeepSpeed's CPU Adam
-# (README "Mixed precision and optimizer offload").
+# (docs/precision.md).
 set -euo pipefail
 
 usage() {

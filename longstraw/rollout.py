@@ -11,7 +11,8 @@ from torch import nn
 from .engine import check_state
 from .models.protocol import PrefixLM
 from .parallel import ONE_RANK, SequenceGroup
-from .state import DecodeCache, LayerState, PrefixState, PrefixView, Segment
+from .segment import DecodeCache, PrefixView, Segment
+from .state import LayerState, PrefixState
 
 
 @dataclass

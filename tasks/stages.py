@@ -1,23 +1,23 @@
 """One Prefect task per stage of a GRPO step (`capture`, `rollout`, ... below), each recording a nested MLflow
-run. A model stage (an op of `longstraw.train.worker.Worker`) runs on every rank of the run through this process's
-`Driver` (`use_driver`): rank 0's task sends the op, all ranks execute it on their resident model. The reward is
-computed here, on rank 0 alone.
+run. Every task takes the run (`tasks.run.Run`: the config resolved once, its digest, the driver of its ranks)
+first and the MLflow parent run last. A model stage (an op of `longstraw.train.worker.Worker`) runs on every rank
+of the run through the run's driver: rank 0's task sends the op, all ranks execute it on their resident model.
+The reward is computed here, on rank 0 alone.
 
-Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`)
-and its inputs (the config, which holds the run directory and the mesh, without the placement on nodes; the
-weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results (small JSON dicts) persist under
-`<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference, reward, advantages) are
-cached, so a resume never recomputes them; stages whose output lives in the ranks' memory (replay, prompt backward: the
-gradients; the optimizer step) are never cached, since a fresh job holds none of it, and run again on resume from
-the stored state and rollout. After any change to the library the cached stages run again too. Retries with
-exponential backoff cover transient I/O errors in rank-0 stages, and every stage at nproc 1 (on N ranks a failed
-op ends the job).
+Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`),
+the run's config digest (the config holds the run directory and the mesh; the placement on nodes is left out) and
+its other inputs (the weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results (small
+JSON dicts) persist under `<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference,
+reward, advantages) are cached, so a resume never recomputes them; stages whose output lives in the ranks' memory
+(replay, prompt backward: the gradients; the optimizer step) are never cached, since a fresh job holds none of it,
+and run again on resume from the stored state and rollout. After any change to the library the cached stages run
+again too. Retries with exponential backoff cover transient I/O errors in rank-0 stages, and every stage at nproc
+1 (on N ranks a failed op ends the job).
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,37 +28,22 @@ from prefect.tasks import exponential_backoff
 
 from longstraw.memory import measured
 from longstraw.train import inputs
-from longstraw.train.config import TrainConfig, without_placement
-from longstraw.train.spmd import Driver
-from longstraw.train.worker import Worker
+from longstraw.train.config import TrainConfig
 from longstraw.version import code_digest
 
 from . import tracking
+from .run import Run
 
 TRANSIENT = (OSError, TimeoutError, ConnectionError)
 _TAG_KEYS = ("step", "group", "epoch", "update")
-_DRIVER: Driver | None = None
+_NOT_INPUTS = ("run", "parent_run_id")  # in a cache key: the run by its digest; the tracking run is no input
 
 
-def use_driver(driver: Driver | None) -> None:
-    """The driver of the run this process drives (set by the flow for its duration)."""
-    global _DRIVER
-    _DRIVER = driver
-
-
-def _driver() -> Driver:
-    if _DRIVER is None:
-        raise RuntimeError("no training run is being driven in this process (the grpo-train flow sets one)")
-    return _DRIVER
-
-
-def _cache_key(name: str):
+def _cache_key(name: str) -> Callable[[object, dict], str]:
     def key(_ctx, params: dict) -> str:
-        given = {k: v for k, v in params.items() if k != "parent_run_id"}  # the tracking run is not an input
-        if "config" in given:  # nor are the machines the ranks run on (a resume may run on other nodes)
-            given["config"] = without_placement(given["config"])
+        given = {k: v for k, v in params.items() if k not in _NOT_INPUTS}
         blob = json.dumps(given, sort_keys=True, default=str)
-        return hashlib.sha256(f"{name}\n{code_digest()}\n{blob}".encode()).hexdigest()
+        return hashlib.sha256(f"{name}\n{code_digest()}\n{params['run'].digest}\n{blob}".encode()).hexdigest()
 
     return key
 
@@ -73,66 +58,114 @@ def _retry_transient(_task, _run, state) -> bool:
     return False
 
 
-def _stage(name: str, fn: Callable[..., dict], cached: bool, on_ranks: bool,
-           execute: Callable[[TrainConfig, dict], dict]) -> Task:
-    """The Prefect task of one stage, which runs `execute(cfg, params)`. Its parameters are those of `fn` (the
-    library's function of the stage), named and typed as the library has them, with the run config as a JSON dict
-    first and the MLflow parent run last."""
-    lib_params = list(inspect.signature(fn).parameters.values())[1:]  # after self / cfg
-    signature = inspect.Signature(
-        [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=dict), *lib_params,
-         inspect.Parameter("parent_run_id", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)],
-        return_annotation=dict)
+def _stage(name: str, *, cached: bool, on_ranks: bool) -> Callable[[Callable[..., dict]], Task]:
+    """Make a stage function the Prefect task `name`; `on_ranks`: an op every rank runs (see `configured`)."""
 
-    def run(*args, **kwargs) -> dict:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = dict(bound.arguments)
-        cfg = TrainConfig.model_validate(params.pop("config"))
-        parent = params.pop("parent_run_id")
-        tags = {k: params[k] for k in _TAG_KEYS if k in params}
-        if "branches" in params:
-            tags["branch"] = params["branches"][0][0]
-        with tracking.stage_run(cfg, parent, name, tags) as record:
-            out = execute(cfg, params)
-            record(out)
-        return out
+    def make(fn: Callable[..., dict]) -> Task:
+        t = task(
+            name=name,
+            retries=2,
+            retry_delay_seconds=exponential_backoff(2),
+            retry_condition_fn=_retry_transient,
+            cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key(name)) if cached else NO_CACHE,
+            persist_result=cached,
+            result_serializer="json",
+        )(fn)
+        t.on_ranks = on_ranks
+        return t
 
-    run.__signature__ = signature
-    run.__name__ = run.__qualname__ = name
-    run.__doc__ = fn.__doc__
-    t = task(
-        name=name,
-        retries=2,
-        retry_delay_seconds=exponential_backoff(2),
-        retry_condition_fn=_retry_transient,
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key(name)) if cached else NO_CACHE,
-        persist_result=cached,
-        result_serializer="json",
-    )(run)
-    t.on_ranks = on_ranks
-    return t
+    return make
 
 
-def _op(name: str, cached: bool) -> Task:
-    """The task of the worker op `Worker.OPS[name]`: rank 0 sends it, every rank runs it on its resident model."""
-    return _stage(name, Worker.OPS[name], cached, on_ranks=True,
-                  execute=lambda _cfg, params: _driver().call(name, **params))  # the ranks hold the config
+def _tracked(run: Run, parent: str | None, name: str, params: dict, execute: Callable[[], dict]) -> dict:
+    """`execute()` within the stage's nested MLflow run, tagged with where in the step it runs."""
+    tags = {k: params[k] for k in _TAG_KEYS if k in params}
+    if "branches" in params:
+        tags["branch"] = params["branches"][0][0]
+    with tracking.stage_run(run.config, parent, name, tags) as record:
+        out = execute()
+        record(out)
+    return out
 
 
-start = _op("start", cached=False)
-capture = _op("capture", cached=True)
-rollout = _op("rollout", cached=True)
-reference = _op("reference", cached=True)
-# rank 0 alone; the module's function read at call time, so that a test may wrap it
-reward = _stage("reward", inputs.reward_stage, cached=True, on_ranks=False,
-                execute=lambda cfg, params: measured(inputs.reward_stage, cfg, **params))
-# rank 0 alone, when an advantage needs every group's rewards (scale_rewards batch, normalize_then_sum)
-advantages = _stage("advantages", inputs.advantage_stage, cached=True, on_ranks=False,
-                    execute=lambda cfg, params: measured(inputs.advantage_stage, cfg, **params))
-replay = _op("replay", cached=False)
-prompt = _op("prompt", cached=False)
-optimizer = _op("optimizer", cached=False)
+def _op(run: Run, name: str, parent: str | None, params: dict, leader: dict | None = None) -> dict:
+    """The worker op `Worker.OPS[name]` on every rank (the ranks hold the config); `leader`: arguments only rank
+    0's op takes."""
+    return _tracked(run, parent, name, params, lambda: run.driver.call(name, leader=leader, **params))
+
+
+@_stage("start", cached=False, on_ranks=True)
+def start(run: Run, parent_run_id: str | None = None) -> dict:
+    """`Worker.start`: load the run's latest checkpoint on every rank."""
+    return _op(run, "start", parent_run_id, {})
+
+
+@_stage("capture", cached=True, on_ranks=True)
+def capture(run: Run, weights_version: str, step: int, group: int, epoch: int, routing_from: dict | None = None,
+            parent_run_id: str | None = None) -> dict:
+    """`Worker.capture`: capture the group's prompt and store its prefix state."""
+    return _op(run, "capture", parent_run_id, dict(weights_version=weights_version, step=step, group=group,
+                                                   epoch=epoch, routing_from=routing_from))
+
+
+@_stage("rollout", cached=True, on_ranks=True)
+def rollout(run: Run, weights_version: str, state: dict, step: int, group: int, parent_run_id: str | None = None
+            ) -> dict:
+    """`Worker.rollout`: sample the group's answers and store them."""
+    return _op(run, "rollout", parent_run_id, dict(weights_version=weights_version, state=state, step=step,
+                                                   group=group))
+
+
+@_stage("reference", cached=True, on_ranks=True)
+def reference(run: Run, reference_version: str, state: dict, rollout: dict, step: int, group: int,
+              parent_run_id: str | None = None) -> dict:
+    """`Worker.reference`: the KL reference's log-probs of the answers, stored."""
+    return _op(run, "reference", parent_run_id, dict(reference_version=reference_version, state=state,
+                                                     rollout=rollout, step=step, group=group))
+
+
+@_stage("reward", cached=True, on_ranks=False)
+def reward(run: Run, rollout: dict, step: int, group: int, parent_run_id: str | None = None) -> dict:
+    """`inputs.reward_stage` on rank 0 alone (read at call time, so that a test may wrap it)."""
+    params = dict(rollout=rollout, step=step, group=group)
+    return _tracked(run, parent_run_id, "reward", params,
+                    lambda: measured(inputs.reward_stage, run.config, **params))
+
+
+@_stage("advantages", cached=True, on_ranks=False)
+def advantages(run: Run, rewards: list[dict], step: int, group: int, parent_run_id: str | None = None) -> dict:
+    """`inputs.advantage_stage` on rank 0 alone, when an advantage needs every group's rewards (scale_rewards
+    batch, normalize_then_sum)."""
+    params = dict(rewards=rewards, step=step, group=group)
+    return _tracked(run, parent_run_id, "advantages", params,
+                    lambda: measured(inputs.advantage_stage, run.config, **params))
+
+
+@_stage("replay", cached=False, on_ranks=True)
+def replay(run: Run, weights_version: str, state: dict, rollout: dict, advantages: list[float],
+           reference: dict | None, step: int, group: int, epoch: int, branches: list[list[int]],
+           parent_run_id: str | None = None) -> dict:
+    """`Worker.replay`: one slice of branches per data-parallel group, gradients accumulated in memory."""
+    return _op(run, "replay", parent_run_id, dict(
+        weights_version=weights_version, state=state, rollout=rollout, advantages=advantages, reference=reference,
+        step=step, group=group, epoch=epoch, branches=branches))
+
+
+@_stage("prompt", cached=False, on_ranks=True)
+def prompt(run: Run, weights_version: str, state: dict, step: int, group: int, epoch: int,
+           parent_run_id: str | None = None) -> dict:
+    """`Worker.prompt`: exact mode's prompt backward of the group."""
+    return _op(run, "prompt", parent_run_id, dict(weights_version=weights_version, state=state, step=step,
+                                                  group=group, epoch=epoch))
+
+
+@_stage("optimizer", cached=False, on_ranks=True)
+def optimizer(run: Run, weights_version: str, update: int, step: int, record: dict | None = None,
+              parent_run_id: str | None = None) -> dict:
+    """`Worker.optimizer`: the optimizer step (and checkpoint). `record`, the step's metrics for its checkpoint,
+    goes to rank 0's op alone: rank 0 writes the checkpoint's trainer record."""
+    return _op(run, "optimizer", parent_run_id, dict(weights_version=weights_version, update=update, step=step),
+               leader={"record": record})
 
 
 def configured(stage: Task, cfg: TrainConfig) -> Task:

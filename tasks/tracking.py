@@ -102,6 +102,14 @@ def log_artifact(cfg: TrainConfig, run_id: str, path: str | Path) -> None:
         client(cfg).log_artifact(run_id, str(path))
 
 
+def log_params(cfg: TrainConfig, run_id: str, params: dict) -> None:
+    """Log a (nested) dict as the run's params, flattened to dotted names."""
+    from mlflow.entities import Param
+
+    with _LOCK:
+        client(cfg).log_batch(run_id, params=[Param(k, v[:6000]) for k, v in _flatten(params).items()])
+
+
 @contextmanager
 def stage_run(cfg: TrainConfig, parent_id: str | None, stage: str, tags: dict):
     """A nested run for one stage execution; yields a function that records the stage's output dict."""
@@ -122,6 +130,8 @@ def stage_run(cfg: TrainConfig, parent_id: str | None, stage: str, tags: dict):
         raise
     if outputs:
         log_metrics(cfg, run_id, metrics_of(outputs[-1]), int(tags.get("step", 0)))
+        if outputs[-1].get("plan"):  # the engine plan the op ran (engine/policy.py)
+            log_params(cfg, run_id, {"plan": outputs[-1]["plan"]})
     end_run(cfg, run_id)
 
 

@@ -81,6 +81,12 @@ def assert_same_parameters(ours: torch.nn.Module, theirs: torch.nn.Module) -> No
         assert torch.equal(p.detach().float(), named[n].detach().float()), n
 
 
+def state_tensors(state: ls.PrefixState) -> list[torch.Tensor]:
+    """Copies of every layer's tensors of a prefix state, in layer order (to compare states, or one state before
+    and after something that must not write into it)."""
+    return [t.clone() for layer in state.layers for t in layer.tensors()]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 

@@ -99,10 +99,7 @@ def test_adapters_only_train_and_checkpoints_load_in_peft(tmp_path):
     cap = w.capture(v, 0, 0, 0)
     state = {"url": cap["url"], "sha256": cap["sha256"]}
     roll = w.rollout(v, state, 0, 0)
-    from longstraw.train.artifacts import save_json
-
-    rew = {"path": str(tmp_path / "rew.json"), "sha256": save_json(tmp_path / "rew.json", {"advantages": ADV})}
-    replay(w, state, {"path": roll["path"], "sha256": roll["sha256"]}, rew, ([0, 1, 2, 3],))
+    replay(w, state, {"path": roll["path"], "sha256": roll["sha256"]}, ADV, ([0, 1, 2, 3],))
     w.prompt(w.weights_version, state, 0, 0, 0)
     out = w.optimizer(w.weights_version, 0, 0, {})
     after = dict(w.model.named_parameters())

@@ -1,26 +1,34 @@
-"""README.md's examples run as written (issue 22).
+"""The examples of README.md and docs/*.md run as written (issues 22 and 38), and their links resolve.
 
-Every fenced block of the README is either run here or tagged as not run:
-- ```python blocks run, each section's blocks in order in one namespace. The README's documented setup: `ckpt` is
-  an HF checkpoint directory (here a tiny random Qwen3-style one), and every later section continues from the
-  `model`, `prompt`, `responses` and `adv` of "Use it as a library" (so that section runs first, fresh, in each
-  of their namespaces). "Several ranks" runs as a one-rank torchrun job would: gloo, world size 1.
+Every fenced block of the README and of every docs page is either run here or tagged as not run:
+- ```python blocks run, each section's blocks in order in one namespace (a section: a `## ` heading of the README,
+  a `# ` heading, the page title, of a docs page). The documented setup: `ckpt` is an HF checkpoint directory
+  (here a tiny random Qwen3-style one), and every other section continues from the `model`, `prompt`, `responses`
+  and `adv` of docs/library.md (so that page runs first, fresh, in each of their namespaces). docs/sharding.md
+  runs as a one-rank torchrun job would: gloo, world size 1.
 - bare ``` (or ```bash) blocks must be `$ longstraw state-size ...` / `$ longstraw plan ...` transcripts: every
-  `$ ` line runs through the CLI entry point and must exit 0 with output starting with the README's next line.
+  `$ ` line runs through the CLI entry point and must exit 0 with output starting with the page's next line.
 - ```yaml blocks are excerpts of a config in configs/: the first line names it (`# configs/x.yaml`), every other
   line appears in that file, in order, and the file loads as a run config.
-- ```text (output, layouts) and ```console (commands too slow for a test: `make run`, `longstraw train`,
-  `longstraw plan` at the real sizes, 35-45 s each) are not run.
+- ```text (output, layouts), ```console (commands too slow for a test: `make run`, `longstraw train`,
+  `longstraw plan` at the real sizes, 35-45 s each) and ```mermaid (diagrams) are not run.
 Any other block fails `test_every_block_is_run_or_tagged`, so a new example cannot go untested silently.
+Every relative link and image must name a file that exists, and every #anchor a heading of its page; when mkdocs
+is installed (`make test` installs the `docs` extra), the site builds with `mkdocs build --strict`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import math
+import os
+import re
 import shlex
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +40,12 @@ from longstraw.models import write_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-LIBRARY = "Use it as a library"  # the section the later sections continue from
-NOT_RUN = ("text", "console")  # explicit tags of blocks this test does not run
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+LIBRARY = "docs/library.md: Use it as a library"  # the section the other sections continue from
+NOT_RUN = ("text", "console", "mermaid")  # explicit tags of blocks this test does not run
 SHELL = ("", "bash")
 COMMANDS = ("$ longstraw state-size", "$ longstraw plan")
-DISTRIBUTED = "Several ranks"  # the section that initialises torch.distributed
+DISTRIBUTED = "docs/sharding.md: "  # the page that initialises torch.distributed
 
 # a tiny random Qwen3-style checkpoint: the byte tokenizer's vocab (259) and room for a 16K-token prompt
 TINY = dict(model_type="qwen3", vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -46,30 +55,37 @@ TINY = dict(model_type="qwen3", vocab_size=259, hidden_size=64, intermediate_siz
 
 @dataclass(frozen=True)
 class Block:
-    section: str  # the enclosing "## " heading
+    section: str  # "<page>: <heading>": the enclosing "## " heading of the README, the "# " title of a docs page
     tag: str  # the fence's language tag ("" for a bare fence)
     text: str
     line: int  # 1-based line of the opening fence
+    page: str  # the file, relative to the repository root
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def readme_blocks() -> list[Block]:
-    blocks, section, fence, body = [], "", None, []
-    for n, line in enumerate(README.read_text().splitlines(), 1):
+def page_blocks(path: Path) -> list[Block]:
+    page = path.relative_to(ROOT).as_posix()
+    heading = "## " if path == README else "# "
+    blocks, section, fence, body = [], f"{page}: ", None, []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         if fence is None:
-            if line.startswith("## "):
-                section = line[3:].strip()
+            if line.startswith(heading):
+                section = f"{page}: {line[len(heading):].strip()}"
             elif line.startswith("```"):
                 fence, body = (line[3:].strip(), n), []
         elif line.rstrip() == "```":
-            blocks.append(Block(section, fence[0], "\n".join(body) + "\n", fence[1]))
+            blocks.append(Block(section, fence[0], "\n".join(body) + "\n", fence[1], page))
             fence = None
         else:
             body.append(line)
-    assert fence is None, f"README.md: the block opened at line {fence[1]} is never closed"
+    assert fence is None, f"{page}: the block opened at line {fence[1]} is never closed"
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [b for path in PAGES for b in page_blocks(path)]
 PY_SECTIONS = list(dict.fromkeys(b.section for b in BLOCKS if b.tag == "python"))
 SHELL_BLOCKS = [b for b in BLOCKS if b.tag in SHELL]
 
@@ -81,10 +97,18 @@ def test_every_block_is_run_or_tagged():
             continue
         if b.tag in SHELL and b.text.startswith(COMMANDS):
             continue
-        untested.append(f"README.md:{b.line} ({b.section}): ```{b.tag} {b.text.splitlines()[0]!r}")
+        untested.append(f"{b.where} ({b.section}): ```{b.tag} {b.text.splitlines()[0]!r}")
     assert not untested, ("blocks neither run by tests/test_readme.py nor tagged ```text / ```console: "
                           + "; ".join(untested))
-    assert LIBRARY in PY_SECTIONS and PY_SECTIONS[0] == LIBRARY, "the later sections continue from " + LIBRARY
+    assert LIBRARY in PY_SECTIONS, "the other sections continue from " + LIBRARY
+
+
+def test_page_one_is_page_one():
+    """The README stays a first page: two set-up commands, the rest in docs/."""
+    text = README.read_text()
+    assert len(text.splitlines()) < 200, "README.md is page one: move the details to a docs/ page"
+    setup = next(b for b in BLOCKS if b.page == "README.md" and b.tag == "console")
+    assert [line.split("#")[0].strip() for line in setup.text.splitlines()] == ["make run", "make test"]
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +157,8 @@ def _check(block: Block, ns: dict) -> None:
 
 def _run_section(section: str, ns: dict) -> None:
     for b in (b for b in BLOCKS if b.tag == "python" and b.section == section):
-        code = compile(b.text, f"README.md:{b.line} ({section})", "exec")
-        exec(code, ns)  # noqa: S102 - the README's own examples
+        code = compile(b.text, f"{b.where} ({section})", "exec")
+        exec(code, ns)  # noqa: S102 - the docs' own examples
         _check(b, ns)
 
 
@@ -173,23 +197,23 @@ def _transcript(block: Block) -> list[tuple[str, str]]:
     for i, line in enumerate(lines):
         if line.startswith("$ "):
             assert i + 1 < len(lines) and not lines[i + 1].startswith("$ "), \
-                f"README.md:{block.line}: {line!r} shows no output"
+                f"{block.where}: {line!r} shows no output"
             out.append((line[2:], lines[i + 1]))
     return out
 
 
 @pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if b.text.startswith(COMMANDS)],
-                         ids=lambda b: f"line{b.line}")
+                         ids=lambda b: b.where)
 def test_shell_blocks_run(block, monkeypatch):
     from flows.cli import main
 
-    monkeypatch.chdir(ROOT)  # the README's paths are relative to the repository root
+    monkeypatch.chdir(ROOT)  # the pages' paths are relative to the repository root
     commands = _transcript(block)
     assert commands
     for command, header in commands:
         argv = shlex.split(command)
         assert argv[0] == "longstraw" and "..." not in argv, \
-            f"README.md:{block.line}: {command!r} does not run as written"
+            f"{block.where}: {command!r} does not run as written"
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = main(argv[1:])
@@ -197,17 +221,99 @@ def test_shell_blocks_run(block, monkeypatch):
         assert out.getvalue().startswith(header), f"{command!r} printed:\n{out.getvalue()}\nREADME shows:\n{header}"
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.tag == "yaml"], ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.tag == "yaml"], ids=lambda b: b.where)
 def test_yaml_blocks_are_excerpts_of_configs_that_load(block):
     from longstraw.config import load_config
     from longstraw.train.config import TrainConfig
 
     first, *lines = block.text.splitlines()
-    assert first.startswith("# configs/"), f"README.md:{block.line}: a yaml block names its file on its first line"
+    assert first.startswith("# configs/"), f"{block.where}: a yaml block names its file on its first line"
     path = ROOT / first[2:].strip()
     have = path.read_text().splitlines()
     at = 0
     for line in lines:
-        assert line in have[at:], f"README.md:{block.line}: {line!r} is not in {path.name} (after line {at})"
+        assert line in have[at:], f"{block.where}: {line!r} is not in {path.name} (after line {at})"
         at = have.index(line, at) + 1
     load_config(path, TrainConfig)
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # [text](target) and ![alt](target)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The lines outside fenced blocks, inline code removed (a link inside backticks is not a link)."""
+    out, fence = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence:
+            out.append((n, re.sub(r"`[^`]*`", "", line)))
+    return out
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens (mkdocs' toc agrees for
+    the headings these pages link to; its strict build checks them again)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(line.lstrip("#")) for _, line in _prose(path) if re.match(r"#{1,6} ", line)}
+
+
+@pytest.mark.parametrize("path", [*PAGES, ROOT / "bench" / "README.md", ROOT / "infra" / "README.md"],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_links_resolve(path):
+    broken = []
+    for n, line in _prose(path):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not checked offline
+                continue
+            file, _, frag = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.name}:{n}: {target} (no file {dest.relative_to(ROOT)})")
+            elif frag and dest.suffix == ".md" and frag not in anchors(dest):
+                broken.append(f"{path.name}:{n}: {target} (no heading #{frag} in {dest.relative_to(ROOT)})")
+    assert not broken, "broken links: " + "; ".join(broken)
+
+
+def test_link_check_sees_a_broken_link(tmp_path):
+    """The check above finds what it is for: a missing file and a missing heading."""
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n## Two words\n\n[ok](#two-words) [gone](missing.md) `[code](missing.md)`\n"
+                    "![no image](img/none.png) [no heading](#three-words)\n")
+    assert anchors(page) == {"a-page", "two-words"}
+    found = [t for _, line in _prose(page) for t in LINK.findall(line)]
+    assert found == ["#two-words", "missing.md", "img/none.png", "#three-words"]
+
+
+def test_every_docs_page_is_in_the_site_navigation():
+    """mkdocs.yml's nav is the table of contents: every page of docs/ is in it, and docs/index.md links to each."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def files(entries) -> list[str]:
+        out = []
+        for entry in entries:
+            value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            out += files(value) if isinstance(value, list) else [value]
+        return out
+
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert sorted(files(nav)) == pages
+    index = {t.partition("#")[0] for _, line in _prose(ROOT / "docs" / "index.md") for t in LINK.findall(line)}
+    assert set(pages) - {"index.md"} <= index, f"docs/index.md does not link to {sorted(set(pages) - index)}"
+
+
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("mkdocs", "material")),
+                    reason="mkdocs or its material theme is not installed: make docs (or pip install -e '.[docs]')")
+def test_site_builds_strict(tmp_path):
+    """`make docs` as a test: a warning (a broken link, a page left out of the nav) fails the strict build."""
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                          str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "library" / "index.html").exists()

@@ -22,7 +22,7 @@ from longstraw.sharded_state import (commit_sharded_state, load_state_shard, rea
                                      save_state, save_state_shard, shard_url, uncommit)
 from longstraw.state import RowMap
 from longstraw.store import manifest_digest
-from tests.conftest import flat_grad, rel_err, tiny_model
+from tests.conftest import flat_grad, rel_err, state_tensors, tiny_model
 from tests.parallel.launch import run_ranks
 
 PROMPT = 40  # a state of 39 tokens in chunks of 8: 5 chunks, on one process or over N ranks (a block of each)
@@ -72,7 +72,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def assert_same_state(a: ls.PrefixState, b: ls.PrefixState) -> None:
     """Bitwise: every layer's tensors, the prompt, chunks, rows, and the boundaries (same chunks, same tensors)."""
     assert [type(x) for x in a.layers] == [type(y) for y in b.layers]
-    for x, y in zip(a.snapshot(), b.snapshot()):
+    for x, y in zip(state_tensors(a), state_tensors(b)):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
     assert torch.equal(a.prompt_ids, b.prompt_ids) and a.prompt_ids.dtype == b.prompt_ids.dtype
     assert (a.chunks, a.rows, a.boundary_every, a.model_fingerprint) == (b.chunks, b.rows, b.boundary_every,

@@ -21,7 +21,7 @@ from longstraw.parallel import SequenceGroup
 from longstraw.sharded_state import load_state_shard, read_sharded_manifest, save_state, shard_url
 from longstraw.state import LatentState, RecurrentState, RowMap
 from longstraw.store import manifest_digest
-from tests.conftest import GLM, tiny_model
+from tests.conftest import GLM, state_tensors, tiny_model
 
 ARCHS = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
 PROMPT = 40  # state of 39 tokens: 5 shards of 8
@@ -47,7 +47,7 @@ def shard_manifest(url) -> dict:
 
 def assert_same(a: ls.PrefixState, b: ls.PrefixState) -> None:
     assert [type(x) for x in a.layers] == [type(y) for y in b.layers]
-    for x, y in zip(a.snapshot(), b.snapshot()):
+    for x, y in zip(state_tensors(a), state_tensors(b)):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(x.view(torch.uint8) if x.dtype == torch.bfloat16 else x, y.view(torch.uint8) if y.dtype == torch.bfloat16 else y)
     assert torch.equal(a.prompt_ids, b.prompt_ids) and a.prompt_ids.dtype == b.prompt_ids.dtype

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 NO_FLA, NO_LONGSTRAW, NO_CUDA = 3, 4, 5  # exit codes of the checks
-WHEELS_HINT = "run bench/gpu/wheels.sh here and carry bench/gpu/wheels (README, 'On a GPU')"
+WHEELS_HINT = "run bench/gpu/wheels.sh here and carry bench/gpu/wheels (docs/gpu.md)"
 
 
 def _version(dist: str) -> str | None:

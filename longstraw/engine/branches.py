@@ -37,15 +37,23 @@ class Branches:
               sampler_logprobs: Sequence | None = None, truncated: Sequence[bool] | None = None) -> "Branches":
         """A whole GRPO group, checked: token ids inside the vocab, one finite advantage per response, finite
         per-token log-probs of the responses' lengths, reference log-probs when the loss has a KL term, sampler
-        log-probs when it corrects for the sampler, one `truncated` flag per response."""
+        log-probs when it corrects for the sampler or masks off-policy branches without old log-probs, one
+        `truncated` flag per response."""
         tokens = as_responses(responses, vocab_size)
         ref = check_per_token(ref_logprobs, tokens, "ref_logprobs")
         if loss.kl_coef > 0 and ref is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the responses under the reference model)")
         sampler = check_per_token(sampler_logprobs, tokens, "sampler_logprobs")
-        if loss.rollout_correction != "off" and sampler is None:
-            raise ValueError(f"rollout_correction {loss.rollout_correction} needs sampler_logprobs (each sampled "
-                             "token's log-prob under the sampler); pass them, or set rollout_correction: off")
+        old = check_per_token(old_logprobs, tokens, "old_logprobs")
+        if sampler is None:
+            needs = [f"rollout_correction {loss.rollout_correction}"] if loss.rollout_correction != "off" else []
+            if loss.off_policy_mask_threshold is not None and old is None:  # else it would compare the policy to itself
+                needs.append("off_policy_mask_threshold (without old_logprobs)")
+            if needs:
+                raise ValueError(f"{' and '.join(needs)} needs sampler_logprobs (each sampled token's log-prob under "
+                                 "the sampler; a rollout stored by an older longstraw has none: delete it so that its "
+                                 "step samples it again); pass them, or set rollout_correction: off and leave "
+                                 "off_policy_mask_threshold unset")
         kept = None
         if truncated is not None:
             if len(truncated) != len(tokens):
@@ -56,7 +64,7 @@ class Branches:
                              "truncated= (one bool per response: it hit max_new_tokens without a stop token)")
         return cls(tokens, as_advantages(advantages, len(tokens)),
                    token_weights([r.numel() for r in tokens], loss, kept),
-                   check_per_token(old_logprobs, tokens, "old_logprobs"), ref, sampler, kept)
+                   old, ref, sampler, kept)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -10,13 +10,12 @@ min(index_topk, visible tokens), which the short probe keeps below index_topk.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..memory import free_bytes
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup
-from ..state import PrefixView, Segment
+from ..segment import PrefixView, Segment
 from .chunks import empty_state, run_chunk, store_chunk
 
 PROBE_TOKENS = 64  # and twice that: whole chunks of the chunked delta rule, which pads to 64
@@ -60,27 +59,16 @@ def checkpointed_bytes_per_token(model: PrefixLM) -> int:
     return len(model.decoder_layers) * model.config.hidden_size * p.element_size()
 
 
-def kept_chunk_count(model: PrefixLM, chunks: list[tuple[int, int]], budget: int,
-                     checkpoint_layers: bool = False) -> int:
-    """How many final prompt chunks fit the graph budget (graphs of checkpointed layers, with
-    `checkpoint_layers`)."""
+def kept_chunk_count(chunk_tokens: Sequence[int], budget: int, per_token: Callable[[], int]) -> int:
+    """How many final prompt chunks (of `chunk_tokens` tokens each) have graphs that fit `budget` bytes at
+    `per_token()` bytes a token (asked only for a budget)."""
     if budget <= 0:  # nothing to measure
         return 0
-    per_token = checkpointed_bytes_per_token(model) if checkpoint_layers else activation_bytes_per_token(model)
+    per = per_token()
     kept, used = 0, 0
-    for s, e in reversed(chunks):
-        used += (e - s) * per_token
+    for t in reversed(chunk_tokens):
+        used += t * per
         if used > budget:
             break
         kept += 1
     return kept
-
-
-def checkpoints_layers(model: PrefixLM, setting: bool | None, tokens: int, parallel: SequenceGroup = ONE_RANK) -> bool:
-    """`EngineConfig.checkpoint_layers` for a forward of `tokens` tokens with autograd: as set, or (None) whether
-    the whole model's activations of those tokens exceed a quarter of free memory (the least over the group: its
-    ranks must agree, since a recomputed layer repeats its collectives in the backward)."""
-    if setting is not None:
-        return setting
-    free = parallel.agree_min(free_bytes(next(model.parameters()).device))
-    return activation_bytes_per_token(model) * tokens > free // 4

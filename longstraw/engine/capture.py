@@ -1,7 +1,7 @@
 """Prompt capture: run prompt[:-1] in chunks without autograd and keep each layer's prefix state.
 
 With `exact=True` capture also keeps what exact mode's prompt backward needs: the fixed-size states at every k-th
-chunk start (the boundary policy of `engine/config.py`), and the autograd graphs of the last chunks that fit
+chunk start (the boundary policy of `engine/policy.py`), and the autograd graphs of the last chunks that fit
 `prompt_graph_budget`, so that the prompt backward need not recompute them.
 """
 
@@ -12,15 +12,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..memory import free_bytes
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState, boundary_states
-from .budget import checkpoints_layers, kept_chunk_count
-from .chunks import (Kept, block_tokens, check_prompt, chunk_segment, chunk_with_graph, empty_state, layer_major,
-                     run_chunk, store_chunk, store_routing)
-from .config import DEFAULT_CHUNK, EngineConfig, boundary_interval
+from .chunks import (Kept, check_prompt, chunk_segment, chunk_with_graph, empty_state, run_chunk, store_chunk,
+                     store_routing)
+from .config import EngineConfig
+from .policy import Plan, plan_group
 from .routing import LayerRouting, empty_routing, held_routing
 
 
@@ -42,21 +41,23 @@ def as_engine(engine: EngineConfig | int) -> EngineConfig:
 def capture(
     model: PrefixLM,
     prompt_ids,
-    engine: EngineConfig | int = DEFAULT_CHUNK,
+    engine: EngineConfig | int = EngineConfig(),
     *,
+    plan: Plan | None = None,
     parallel: SequenceGroup = ONE_RANK,
     exact: bool = False,
     progress: bool = False,
     record_routing: bool = False,
     routing: LayerRouting | None = None,
 ) -> PrefixState:
-    """State of `prompt[:-1]` per layer, computed chunk by chunk (`engine.prompt_chunk` tokens, or an int chunk
-    size) without autograd; this rank's shard of it on a sequence-parallel group (every rank passes the same
-    prompt).
+    """State of `prompt[:-1]` per layer, computed chunk by chunk (`engine.prompt_chunk` tokens; an int: the default
+    EngineConfig with that prompt chunk) without autograd;
+    this rank's shard of it on a sequence-parallel group (every rank passes the same prompt).
 
     `exact=True`: also keep the boundary states at every `state.boundary_every`-th chunk start (one rank of the
     group each; they are stored with the state, so a stored state can run the prompt backward without a recapture),
-    and the graphs of the final chunks that fit the graph budget (in memory only, `state.graphs`).
+    and the graphs of the final chunks that fit the graph budget (in memory only, `state.graphs`). `plan`: the
+    group's `Plan` (engine/policy.py) of `engine`, resolved here if not given.
 
     MoE routing replay (engine/routing.py): `record_routing` keeps the experts each prompt token was routed to
     with the state (`state.routing`, this rank's rows), and `routing` (the whole `prompt[:-1]`'s, by MoE layer)
@@ -75,19 +76,19 @@ def capture(
     elif record_routing:
         state.routing = empty_routing(model, state.rows.rows, state.prompt_ids.device)
         recording = state.routing is not None
+    if plan is None:
+        plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact)
+    elif plan.prompt_chunk != engine.prompt_chunk:
+        raise ValueError(f"capture's plan is for prompt chunks of {plan.prompt_chunk}, its engine's are "
+                         f"{engine.prompt_chunk}: resolve the plan from the same EngineConfig (policy.plan_group)")
     n = len(state.chunks)
-    first_kept, checkpointed = n, False
+    first_kept = n - plan.kept_graphs if exact else n
     if exact:
-        free = parallel.agree_min(free_bytes(next(model.parameters()).device))  # every rank decides alike
-        budget = free // 4 if engine.prompt_graph_budget is None else engine.prompt_graph_budget
-        if budget > 0:
-            checkpointed = checkpoints_layers(model, engine.checkpoint_layers, block_tokens(state, parallel), parallel)
-        first_kept = n - kept_chunk_count(model, state.chunks, budget, checkpointed)
-        state.boundary_every = boundary_interval(engine, -(-n // parallel.size), state.fixed_nbytes, free)
+        state.boundary_every = plan.boundary_every
         if first_kept < n:
             state.graphs = PromptGraphs(state.grad_buffer(), {})
     # layer-major (ZeRO-3): the chunks without a kept graph, each layer gathered once for all, not once per chunk
-    done = first_kept if first_kept > 1 and layer_major(model, engine.prompt_order, state, parallel) else 0
+    done = first_kept if first_kept > 1 and plan.prompt_order == "layers" else 0
     if done:
         _capture_by_layer(model, state, done, exact, parallel, progress, recording)
     for i in tqdm(range(done, n), desc="capture", unit="chunk", disable=not progress, leave=False):
@@ -99,7 +100,8 @@ def capture(
         if i >= first_kept:
             with torch.enable_grad():
                 state.graphs.kept[i] = chunk_with_graph(model, state, i, state.graphs.dstate,
-                                                        boundary_states(state.layers), parallel, checkpointed, routed)
+                                                        boundary_states(state.layers), parallel, plan.checkpoint_layers,
+                                                        routed)
             emitted = state.graphs.kept[i][0]
         else:
             emitted = run_chunk(model, state, i, parallel=parallel, routed=routed)

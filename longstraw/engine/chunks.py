@@ -10,18 +10,12 @@ that block, emitting its rows (the split schedule).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-from ..memory import free_bytes
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup, gradient_replicas, is_sharded
-from ..parallel.fsdp import gathers_per_use
-from ..state import LayerState, PrefixState, PrefixView, RowMap, Segment
-from ..state.segment import ChunkSplit
+from ..parallel import ONE_RANK, SequenceGroup
+from ..segment import ChunkSplit, PrefixView, Segment
+from ..state import LayerState, PrefixState, RowMap
 from .checks import as_ids
 
 Kept = tuple[dict[int, LayerState], list[LayerState]]  # a chunk's emitted state and the leaves it read
@@ -47,33 +41,6 @@ def held_rows(chunks: list[tuple[int, int]], parallel: SequenceGroup = ONE_RANK)
     if parallel.size == 1:
         return RowMap.whole(chunks[-1][1] if chunks else 0)
     return RowMap(tuple(parallel.chunk_blocks(i, s, e)[parallel.rank] for i, (s, e) in enumerate(chunks)))
-
-
-@contextmanager
-def gradients_summed_over_group(model: PrefixLM, parallel: SequenceGroup, split: bool = True) -> Iterator[None]:
-    """Within, when the ranks of a group each do their share of the work (`split`), each rank's parameter
-    gradients are its own share: on leaving they are summed over the group, so that every rank holds the whole.
-    What `param.grad` held before (the same on every rank) is divided by C first, so the sum counts it once; FSDP
-    sums over all ranks itself and is told these gradients are not replicated."""
-    if not split or parallel.size == 1:
-        yield
-        return
-    if is_sharded(model):
-        with gradient_replicas(model, 1, then=parallel.size):
-            yield
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is not None:
-            p.grad.div_(parallel.size)
-    yield
-    # a parameter some rank's share left without a gradient still takes part in the sum on every rank
-    has = parallel.sum_(torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=parallel.device))
-    for p, anywhere in zip(params, has.tolist()):
-        if anywhere:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            parallel.sum_(p.grad)
 
 
 def run_chunk(
@@ -120,38 +87,6 @@ def chunk_segment(state: PrefixState, i: int, prefix: list[LayerState] | None = 
         seg = Segment(start=a, prefix=view, collect=True, split=ChunkSplit(blocks, parallel),
                       checkpoint_layers=checkpoint_layers, routing=routing, record_routing=record_routing)
     return state.prompt_ids[seg.start:e][None], seg
-
-
-def layer_major(model: PrefixLM, order: str, state: PrefixState, parallel: SequenceGroup = ONE_RANK) -> bool:
-    """Whether capture and the exact prompt backward walk `state`'s prompt layer by layer
-    (`EngineConfig.prompt_order`). auto: under ZeRO-3, so that each layer is gathered once per pass, not once per
-    chunk, when what the layer-major backward keeps (`layer_major_bytes`) fits a quarter of free memory (the
-    smallest over the ranks, so that they agree)."""
-    if order == "layers" and not model.layers_stand_alone:
-        raise ValueError("prompt_order 'layers' runs each layer apart, but this model's DSA layers reuse an earlier "
-                         "layer's top-k selection (indexer_types 'shared'); use prompt_order 'chunks' or 'auto'")
-    if order != "auto":
-        return order == "layers"
-    if not (gathers_per_use(model) and model.layers_stand_alone):
-        return False
-    free = parallel.agree_min(free_bytes(next(model.parameters()).device))
-    return layer_major_bytes(model, state) <= free // 4
-
-
-def layer_major_bytes(model: PrefixLM, state: PrefixState) -> int:
-    """What the layer-major prompt backward keeps on a rank: layers / k + k hidden states of its rows, and one
-    group of k layers' fixed-size states at every chunk start (engine/prompt_by_layer.py)."""
-    layers = len(state.layers)
-    k = checkpoint_every(layers)
-    p = next(model.parameters())
-    hidden = state.rows.rows * model.config.hidden_size * p.element_size()
-    return (-(-layers // k) + k) * hidden + state.fixed_nbytes * k // layers * (len(state.chunks) + 1)
-
-
-def checkpoint_every(layers: int) -> int:
-    """Layers per checkpoint group of the layer-major backward: ceil(sqrt(layers)), which keeps layers / k + k
-    hidden states near the least."""
-    return max(1, math.isqrt(max(layers, 1) - 1) + 1)
 
 
 def chunk_with_graph(model: PrefixLM, state: PrefixState, i: int, grad: dict[int, LayerState],

@@ -3,8 +3,6 @@ its settings changes the gradient."""
 
 from __future__ import annotations
 
-import math
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +27,7 @@ class EngineConfig(BaseModel):
     boundary_every: int | None = Field(
         None, ge=1, strict=True, description="exact mode with recurrent layers: keep their state at every k-th prompt-chunk "
         "start and regenerate the others during the prompt backward; default: every one if they fit an eighth of "
-        "free memory, else k = ceil(sqrt(chunks)) (sharded: of the chunks one rank owns)")
+        "free memory, else k = ceil(sqrt(chunks)) (sharded: of the chunks one rank owns); engine/policy.py")
     prompt_order: PromptOrder = Field(
         "auto", description="how capture and the exact prompt backward walk the prompt: 'chunks' (every layer per "
         "chunk), 'layers' (every chunk per layer: each ZeRO-3 layer gathered once per pass, for two more prompt "
@@ -43,17 +41,3 @@ class EngineConfig(BaseModel):
         None, ge=1, strict=True, description="tokens (all rows' positions together) per chunk of the LM head and "
         "log-softmax in branch replay and naive mode; a chunk's logits are recomputed in the backward, so those of "
         "all tokens never exist at once; default: 2**26 // vocab (256 MiB of fp32 logits a chunk)")
-
-
-def sqrt_interval(chunks: int) -> int:
-    """ceil(sqrt(chunks)): stored plus regenerated boundaries then stay near 2 sqrt(n) states."""
-    return max(1, math.isqrt(max(chunks, 1) - 1) + 1)
-
-
-def boundary_interval(engine: EngineConfig, chunks: int, fixed_bytes: int, free_bytes: int) -> int:
-    """The one boundary policy (engine, pipeline, planner): `engine.boundary_every` if set; else every boundary
-    when a rank's `chunks` boundaries of `fixed_bytes` each fit an eighth of `free_bytes`, else every
-    sqrt_interval-th, for one more no-grad forward of the prompt."""
-    if engine.boundary_every:
-        return engine.boundary_every
-    return 1 if chunks * fixed_bytes <= free_bytes // 8 else sqrt_interval(chunks)

@@ -12,7 +12,7 @@ exact    as detached, plus dLoss/dState summed over branches, back-propagated th
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -20,13 +20,15 @@ from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig
 from ..models.protocol import PrefixLM
-from ..parallel import ONE_RANK, SequenceGroup, is_sharded
-from ..state import Segment
+from ..parallel import ONE_RANK, SequenceGroup
+from ..segment import Segment
 from .branches import Branches
 from .capture import capture, new_dstate
 from .checks import check_positions
 from .chunks import check_prompt
 from .config import EngineConfig
+from .gradients import gradients_summed_over_dp
+from .policy import plan_group
 from .prompt import prompt_backward
 from .routing import Routing, check_replay, joined
 from .entropy import with_entropy_weights
@@ -83,29 +85,29 @@ def grpo_backward(
 
     t0 = time.perf_counter()
     state_bytes = grad_bytes = 0
-    summed_here = _share_earlier_gradients(model, parallel)
+    prompt_routing = None if routing is None else routing.prompt
     if mode == "naive":
+        plan = plan_group(model, engine, prompt.numel(), exact=False, grad=False)  # no state to plan for
         branches = with_entropy_weights(branches, loss, lambda: naive_entropies(
-            model, prompt, branches, engine.head_chunk, None if routing is None else routing.prompt))
-        totals = naive_backward(model, prompt, branches, loss, progress, head_chunk=engine.head_chunk,
-                                prompt_routing=None if routing is None else routing.prompt)
+            model, prompt, branches, engine=engine, prompt_routing=prompt_routing))
+        totals = naive_backward(model, prompt, branches, loss, progress, engine=engine, prompt_routing=prompt_routing)
     else:
         exact = mode == "exact"
-        state = capture(model, prompt, engine, parallel=parallel, exact=exact, progress=progress,
-                        record_routing=routing is not None, routing=None if routing is None else routing.prompt)
-        branches = with_entropy_weights(branches, loss, lambda: group_entropies(
-            model, state, branches, engine.branch_batch, parallel=parallel, head_chunk=engine.head_chunk))
-        dstate = new_dstate(state) if exact else None
-        state_bytes = state.nbytes
-        if exact:
-            grad_bytes = sum(g.nbytes for g in dstate.values()) + state.boundary_nbytes
-        totals = replay(model, state, branches.select(parallel.branches(len(branches))), loss, dstate, engine=engine,
-                        parallel=parallel, progress=progress)
-        if exact:
-            prompt_backward(model, state, dstate, parallel=parallel, order=engine.prompt_order,
-                            checkpoint_layers=engine.checkpoint_layers, progress=progress)
-        if summed_here:
-            reduce_gradients(model, parallel)
+        plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact)
+        with gradients_summed_over_dp(model, parallel):
+            state = capture(model, prompt, engine, plan=plan, parallel=parallel, exact=exact, progress=progress,
+                            record_routing=routing is not None, routing=prompt_routing)
+            branches = with_entropy_weights(branches, loss, lambda: group_entropies(
+                model, state, branches, engine=engine, parallel=parallel))
+            dstate = new_dstate(state) if exact else None
+            state_bytes = state.nbytes
+            if exact:
+                grad_bytes = sum(g.nbytes for g in dstate.values()) + state.boundary_nbytes
+            totals = replay(model, state, branches.select(parallel.branches(len(branches))), loss, dstate,
+                            engine=engine, plan=plan, parallel=parallel, progress=progress)
+            if exact:
+                plan = prompt_backward(model, state, dstate, engine=engine, plan=plan, parallel=parallel,
+                                       progress=progress)
 
     tokens = branches.token_count
     sampled = max(totals["sampler_tokens"], 1.0)
@@ -126,62 +128,43 @@ def grpo_backward(
         "state_bytes": state_bytes,
         "peak_state_bytes": state_bytes + grad_bytes,
         "seconds": time.perf_counter() - t0,
+        "plan": plan.params(),
     }
 
 
 def naive_backward(model: PrefixLM, prompt: torch.Tensor, branches: Branches, loss: GRPOConfig,
-                   progress: bool = False, *, head_chunk: int | None = None,
+                   progress: bool = False, *, engine: EngineConfig = EngineConfig(),
                    prompt_routing: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Every branch forwards prompt + response with autograd (the reference); returns the loss statistics. The
-    LM head runs over the response's positions only, `head_chunk` tokens at a time (`EngineConfig.head_chunk`).
-    MoE routing replay: `prompt_routing` (prompt[:-1]'s) and `branches.routing` route the tokens."""
-    device = next(model.parameters()).device
+    LM head runs over the response's positions only, `engine.head_chunk` tokens at a time. MoE routing replay:
+    `prompt_routing` (prompt[:-1]'s) and `branches.routing` route the tokens."""
     totals = new_totals()
     entropy = "grad" if loss.entropy_coef > 0.0 else True
+    for i, logp, ent in _naive_branches(model, prompt, branches, engine, prompt_routing, entropy, progress):
+        loss_backward(branches.select([i]), [logp[0]], loss, totals, [ent[0]])
+    return totals
+
+
+@torch.no_grad()
+def naive_entropies(model: PrefixLM, prompt: torch.Tensor, branches: Branches, *,
+                    engine: EngineConfig = EngineConfig(),
+                    prompt_routing: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each branch's per-token entropies from a full forward of prompt + response, routed as its loss will be
+    (naive mode's pre-pass for the entropy options)."""
+    return [ent[0] for _, _, ent in _naive_branches(model, prompt, branches, engine, prompt_routing, True)]
+
+
+def _naive_branches(model: PrefixLM, prompt: torch.Tensor, branches: Branches, engine: EngineConfig,
+                    prompt_routing: dict[int, torch.Tensor] | None, entropy: bool | str, progress: bool = False
+                    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Branch by branch: (i, log-probs [1, R_i], entropies [1, R_i]) of a full forward of prompt + response i
+    (the model's autograd as the caller's mode), the LM head over the response's positions only."""
+    device = next(model.parameters()).device
+    head_chunk = plan_group(model, engine, prompt.numel(), exact=False, grad=False).head_chunk
     for i in tqdm(range(len(branches)), desc="naive branches", unit="branch", disable=not progress, leave=False):
         r = branches.tokens[i].to(device)
         seg = Segment(routing=joined(prompt_routing, None if branches.routing is None else branches.routing[i],
                                      prompt.numel() - 1, r.numel(), device))
         logp, ent = model.token_logprobs(torch.cat([prompt.to(device), r[:-1]])[None], r[None], seg,
                                          logits_from=prompt.numel() - 1, head_chunk=head_chunk, entropy=entropy)
-        loss_backward(branches.select([i]), [logp[0]], loss, totals, [ent[0]])
-    return totals
-
-
-@torch.no_grad()
-def naive_entropies(model: PrefixLM, prompt: torch.Tensor, branches: Branches, head_chunk: int | None = None,
-                    prompt_routing: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Each branch's per-token entropies from a full forward of prompt + response, routed as its loss will be
-    (naive mode's pre-pass for the entropy options)."""
-    device = next(model.parameters()).device
-    out = []
-    for i, r in enumerate(branches.tokens):
-        r = r.to(device)
-        seg = Segment(routing=joined(prompt_routing, None if branches.routing is None else branches.routing[i],
-                                     prompt.numel() - 1, r.numel(), device))
-        _, ent = model.token_logprobs(torch.cat([prompt.to(device), r[:-1]])[None], r[None], seg,
-                                      logits_from=prompt.numel() - 1, head_chunk=head_chunk, entropy=True)
-        out.append(ent[0])
-    return out
-
-
-def reduce_gradients(model: PrefixLM, parallel: SequenceGroup) -> None:
-    """Sum the parameter gradients over the data-parallel groups (each replayed its own branches). FSDP does it
-    itself while it reduce-scatters, and one group has nothing to sum."""
-    if is_sharded(model) or parallel.dp_size == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            parallel.dp_sum_(p.grad)
-
-
-def _share_earlier_gradients(model: PrefixLM, parallel: SequenceGroup) -> bool:
-    """Whether this step's gradients get summed over the data-parallel groups here (not by FSDP); if so, what
-    `param.grad` held before is every group's alike, and is divided by the group count first so the sum counts it
-    once."""
-    if is_sharded(model) or parallel.dp_size == 1:
-        return False
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(parallel.dp_size)
-    return True
+        yield i, logp, ent

@@ -22,19 +22,21 @@ from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
 from .checks import check_state
-from .budget import checkpoints_layers
-from .chunks import block_rows, block_tokens, chunk_with_graph, gradients_summed_over_group, layer_major, run_chunk
-from .config import PromptOrder
+from .chunks import block_rows, chunk_with_graph, run_chunk
+from .config import EngineConfig
+from .gradients import gradients_summed_over_group
+from .policy import Plan, plan_group
 from .prompt_by_layer import prompt_backward_by_layer
 
 Boundaries = dict[int, dict[int, LayerState]]  # chunk index -> the fixed-size states at its start, by layer
 
 
 def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, LayerState], *,
-                    parallel: SequenceGroup = ONE_RANK, order: PromptOrder = "auto",
-                    checkpoint_layers: bool | None = None, last_chunks: int | None = None,
-                    progress: bool = False) -> None:
-    """Back-propagate `dstate` (dLoss/dState of all this group's branches) through the prompt into `param.grad`.
+                    engine: EngineConfig = EngineConfig(), plan: Plan | None = None,
+                    parallel: SequenceGroup = ONE_RANK, last_chunks: int | None = None,
+                    progress: bool = False) -> Plan:
+    """Back-propagate `dstate` (dLoss/dState of all this group's branches) through the prompt into `param.grad`;
+    returns the plan it ran.
 
     With data-parallel groups, dstate is first summed over them (each group then runs the same prompt backward in
     lockstep, as ZeRO-3 and FSDP need, with 1/dp of it: the groups' parameter gradients add up to one). Chunk i's
@@ -42,18 +44,21 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     before it, into its boundary leaves (whose gradients become the fixed-size layers' entries for chunk i-1) and
     into the parameters. The state is left as it is (its kept graphs are used up).
 
-    `order` (`EngineConfig.prompt_order`): layer by layer, the chunks without a kept graph run in the layer-major
-    order of engine/prompt_by_layer.py (one layer at a time already), after the kept ones. Chunk by chunk,
-    `checkpoint_layers` (`EngineConfig.checkpoint_layers`) recomputes each layer of a chunk in its backward.
-    `last_chunks`: only the last ones chunk by chunk (a partial gradient: `longstraw plan --rehearse` runs the
-    peak's representatives)."""
+    `plan` (the group's, engine/policy.py; resolved from `engine` and the state if not given): layer by layer
+    (`prompt_order`), the chunks without a kept graph run in the layer-major order of engine/prompt_by_layer.py
+    (one layer at a time already), after the kept ones. Chunk by chunk, `checkpoint_layers` recomputes each layer
+    of a chunk in its backward. `last_chunks`: only the last ones chunk by chunk (a partial gradient: `longstraw
+    plan --rehearse` runs the peak's representatives)."""
     check_state(model, state, parallel)
-    by_layer = layer_major(model, order, state, parallel)
+    if plan is None:
+        plan = plan_group(model, engine, state, parallel=parallel, exact=True)
+    plan = plan.ran(state.boundary_every, 0 if state.graphs is None else len(state.graphs.kept))
+    by_layer = plan.prompt_order == "layers"
     parallel.check_agree("prompt backward settings", {
         "chunks": len(state.chunks), "boundary_every": state.boundary_every, "by_layer": by_layer,
         "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept),
-        "checkpoint_layers": checkpoint_layers})
-    checkpointed = checkpoints_layers(model, checkpoint_layers, block_tokens(state, parallel), parallel)
+        "checkpoint_layers": engine.checkpoint_layers})
+    checkpointed = plan.checkpoint_layers
     kept = {}
     if state.graphs is not None:  # the kept graphs add into their own buffer: make it the one
         if state.graphs.dstate is not dstate:
@@ -95,6 +100,7 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
         if by_chunk and last_chunks is None:
             prompt_backward_by_layer(model, state, by_chunk, dstate, lambda i, g: _output_grads(state, i, g, parallel),
                                      parallel, progress=progress)
+    return plan
 
 
 def _output_grads(state: PrefixState, i: int, grad: LayerState, parallel: SequenceGroup) -> list[torch.Tensor]:

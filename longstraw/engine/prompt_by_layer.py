@@ -31,7 +31,8 @@ from ..models.protocol import PrefixLM
 from ..parallel import SequenceGroup
 from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState
-from .chunks import checkpoint_every, chunk_segment
+from .chunks import chunk_segment
+from .policy import sqrt_interval
 
 Hold = Callable[..., AbstractContextManager]
 
@@ -141,7 +142,7 @@ def prompt_backward_by_layer(model: PrefixLM, state: PrefixState, count: int, ds
     chunks (with `backward`, yielding what to call before the last backward, which reduces the gradient)."""
     run = _LayerMajor(model, state, count, parallel, hold)
     n_layers = len(run.layers)
-    every = checkpoint_every(n_layers)
+    every = sqrt_interval(n_layers)
     groups = list(range(0, n_layers, every))
     xs = run.embed()
     checkpoints, _ = run.forward(0, groups[-1], xs, keep=lambda j: j % every == 0)

@@ -13,18 +13,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ..grpo import GRPOConfig, branch_loss
-from ..models.common.head import logprobs_from_logits
 from ..models.protocol import PrefixLM
 from ..parallel import ONE_RANK, SequenceGroup
-from ..state import LayerState, PrefixState, PrefixView, Segment
+from ..segment import PrefixView, Segment
+from ..state import LayerState, PrefixState
 from .branches import Branches
-from .budget import checkpoints_layers
 from .checks import as_responses, check_positions, check_state
-from .chunks import gradients_summed_over_group
 from .config import EngineConfig
+from .gradients import gradients_summed_over_group
+from .policy import Plan, plan_group
 from .routing import Routing, batch_routing, check_replay
-
-token_logprobs = logprobs_from_logits  # log softmax(logits)[targets] in fp32 (fp64 for fp64 models), of given logits
 
 
 def replay_logprobs(
@@ -70,23 +68,25 @@ def replay_logprobs(
 
 
 @torch.no_grad()
-def score(model: PrefixLM, state: PrefixState, responses: Sequence, branch_batch: int = 1, *,
-          parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None,
-          routing: Sequence[dict[int, torch.Tensor] | None] | None = None) -> list[torch.Tensor]:
-    """Per-token log-probabilities of each response given the captured prompt (no autograd), the LM head over
-    `head_chunk` tokens at a time (`EngineConfig.head_chunk`). `routing`: each response's MoE routing to replay
-    (`Sample.routing`; engine/routing.py), as the loss will. On a group, every rank passes its shard of the state
-    and the same responses, and gets the same result."""
+def score(model: PrefixLM, state: PrefixState, responses: Sequence, *, engine: EngineConfig = EngineConfig(),
+          parallel: SequenceGroup = ONE_RANK, routing: Sequence[dict[int, torch.Tensor] | None] | None = None
+          ) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each response given the captured prompt (no autograd), `engine.branch_batch`
+    responses at a time, the LM head over `engine.head_chunk` tokens at a time. `routing`: each response's MoE
+    routing to replay (`Sample.routing`; engine/routing.py), as the loss will. On a group, every rank passes its
+    shard of the state and the same responses, and gets the same result."""
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config)
     if routing is not None:
         routing = list(check_replay(model, Routing(branches=routing), state.length, resp).branches)
-    parallel.check_agree("score settings", {"branch_batch": branch_batch, "branches": len(resp)})
+    plan = plan_group(model, engine, state, parallel=parallel, exact=False, grad=False)
+    parallel.check_agree("score settings", {"branch_batch": plan.branch_batch, "branches": len(resp)})
+    batch = plan.branch_batch
     out: list[torch.Tensor] = []
-    for b in range(0, len(resp), branch_batch):
-        out += replay_logprobs(model, state, resp[b : b + branch_batch], parallel=parallel, head_chunk=head_chunk,
-                               routing=None if routing is None else routing[b : b + branch_batch])
+    for b in range(0, len(resp), batch):
+        out += replay_logprobs(model, state, resp[b : b + batch], parallel=parallel, head_chunk=plan.head_chunk,
+                               routing=None if routing is None else routing[b : b + batch])
     return out
 
 
@@ -148,15 +148,17 @@ def reduce_totals(totals: dict[str, float], parallel: SequenceGroup, spread: boo
 
 
 @torch.no_grad()
-def group_entropies(model: PrefixLM, state: PrefixState, branches: Branches, branch_batch: int = 1, *,
-                    parallel: SequenceGroup = ONE_RANK, head_chunk: int | None = None) -> list[torch.Tensor]:
-    """Each branch's per-token entropies on the captured prompt (routed as its loss will be), no autograd: every
-    rank of a group scores every branch (the top-entropy quantile is the whole group's)."""
+def group_entropies(model: PrefixLM, state: PrefixState, branches: Branches, *, engine: EngineConfig = EngineConfig(),
+                    parallel: SequenceGroup = ONE_RANK) -> list[torch.Tensor]:
+    """Each branch's per-token entropies on the captured prompt (routed as its loss will be), no autograd,
+    `engine.branch_batch` at a time, the LM head over `engine.head_chunk` tokens at a time: every rank of a group
+    scores every branch (the top-entropy quantile is the whole group's)."""
+    plan = plan_group(model, engine, state, parallel=parallel, exact=False, grad=False)
     out: list[torch.Tensor] = []
-    for b in range(0, len(branches), branch_batch):
-        batch = branches.select(range(b, min(b + branch_batch, len(branches))))
-        _, ents = replay_logprobs(model, state, batch.tokens, parallel=parallel, head_chunk=head_chunk, entropy=True,
-                                  routing=batch.routing)
+    for b in range(0, len(branches), plan.branch_batch):
+        batch = branches.select(range(b, min(b + plan.branch_batch, len(branches))))
+        _, ents = replay_logprobs(model, state, batch.tokens, parallel=parallel, head_chunk=plan.head_chunk,
+                                  entropy=True, routing=batch.routing)
         out += ents
     return out
 
@@ -169,19 +171,23 @@ def replay(
     dstate: dict[int, LayerState] | None = None,
     *,
     engine: EngineConfig = EngineConfig(),
+    plan: Plan | None = None,
     parallel: SequenceGroup = ONE_RANK,
     progress: bool = False,
 ) -> dict[str, float]:
     """Replay `branches` on `state` with autograd, `engine.branch_batch` at a time, and back-propagate their GRPO
     loss: parameter gradients accumulate in `param.grad`; with a dState buffer (exact mode, `new_dstate`),
-    dLoss/dState adds into it; without (detached mode) the prefix gets no gradient.
+    dLoss/dState adds into it; without (detached mode) the prefix gets no gradient. `plan`: the group's
+    (engine/policy.py), resolved from `engine` and the state if not given.
 
     `branches` may be a slice of a group (their token weights are the whole group's), so a group can be split over
     several calls, or over the data-parallel groups, whose buffers add up. Returns the loss statistics summed over
     the data-parallel groups (a collective over them: each group replays its slice)."""
     check_state(model, state, parallel)
     check_positions(state.length + 1, branches.tokens, model.config)
-    parallel.check_agree("replay settings", {"branch_batch": engine.branch_batch, "exact": dstate is not None,
+    if plan is None:
+        plan = plan_group(model, engine, state, parallel=parallel, exact=dstate is not None)
+    parallel.check_agree("replay settings", {"branch_batch": plan.branch_batch, "exact": dstate is not None,
                                              "branches": len(branches), "checkpoint_layers": engine.checkpoint_layers})
     # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), padded
     # with fillers to a multiple of the group
@@ -191,17 +197,17 @@ def replay(
         pad = max(r.numel() for r in branches.tokens)  # one length on every rank: their queries are gathered
         branches = branches.padded(per * parallel.size).select(range(parallel.rank * per, (parallel.rank + 1) * per))
     longest = pad if spread else max(r.numel() for r in branches.tokens)
-    checkpointed = checkpoints_layers(model, engine.checkpoint_layers, engine.branch_batch * longest, parallel)
+    checkpointed = plan.checkpoints(plan.branch_batch * longest)
     leaves = None if dstate is None else [s.leaf() for s in state.layers]
     totals = new_totals()
     entropy = "grad" if loss.entropy_coef > 0.0 else True
     mode = "detached" if dstate is None else "exact"
     with (tqdm(total=len(branches), desc=f"{mode} branches", unit="branch", disable=not progress, leave=False) as bar,
           gradients_summed_over_group(model, parallel, spread)):
-        for b in range(0, len(branches), engine.branch_batch):
-            batch = branches.select(range(b, min(b + engine.branch_batch, len(branches))))
+        for b in range(0, len(branches), plan.branch_batch):
+            batch = branches.select(range(b, min(b + plan.branch_batch, len(branches))))
             logps, entropies = replay_logprobs(model, state, batch.tokens, dstate, leaves, parallel,
-                                               pad if spread else None, checkpointed, engine.head_chunk,
+                                               pad if spread else None, checkpointed, plan.head_chunk,
                                                entropy=entropy, routing=batch.routing)
             loss_backward(batch, logps, loss, totals, entropies)
             bar.update(len(batch))

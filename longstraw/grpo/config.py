@@ -12,8 +12,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# what EngineConfig (longstraw/engine/config.py) holds: how the gradient is computed, not what it is
-ENGINE_KEYS = ("prompt_chunk", "prompt_graph_budget", "branch_batch", "boundary_every")
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 RolloutCorrection = Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 # the options LongStraw had before it took TRL's names: old name -> what to write instead
@@ -83,13 +81,9 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _moved_keys(cls, data):
+    def _replaced_keys(cls, data):
         if not isinstance(data, dict):
             return data
-        moved = sorted(k for k in ENGINE_KEYS if k in data)
-        if moved:
-            raise ValueError(f"{', '.join(moved)} moved from the loss's settings to the engine's: write "
-                             f"engine: {{{moved[0]}: ...}} (EngineConfig), not grpo: {{{moved[0]}: ...}}")
         old = sorted(k for k in REPLACED if k in data)
         if old:
             raise ValueError("; ".join(f"grpo option {k!r} is now {REPLACED[k]}" for k in old))

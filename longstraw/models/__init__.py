@@ -1,8 +1,9 @@
 """Model families. Each family maps transformers `model_type`s to an own PyTorch module with HF names.
 
 One package per family (`dense/`, `qwen3_5/`, `glm_moe_dsa/`: its config and its model) built from the shared
-layers in `common/`; `registry.py` is the table of families; `checkpoint.py` reads and writes HF checkpoint
-directories; `protocol.py` states what the engine needs of a model.
+layers in `common/`, and its planner profile (`planner.py`: what `longstraw plan` needs of it); `registry.py` is the
+table of families; `checkpoint.py` reads and writes HF checkpoint directories; `protocol.py` states what the engine
+needs of a model.
 """
 
 from .checkpoint import load_model, meta_model, read_config, write_weights

@@ -10,7 +10,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..state import LayerState, Segment
+from ..segment import Segment
+from ..state import LayerState
 from .config import ModelConfig
 
 

@@ -1,17 +1,28 @@
-"""The one table of model families: transformers `model_type` -> (config class, model class)."""
+"""The one table of model families: transformers `model_type` -> (config class, model class, planner profile)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from . import dense, glm_moe_dsa, qwen3_5
 from .config import ModelConfig
+from .planner import FamilyPlanner
 
-FAMILIES: dict[str, tuple[type[ModelConfig], type[nn.Module]]] = {
-    **{t: (dense.DenseConfig, dense.DenseForCausalLM) for t in dense.MODEL_TYPES},
-    **{t: (qwen3_5.Qwen35Config, qwen3_5.Qwen35ForCausalLM) for t in qwen3_5.MODEL_TYPES},
-    **{t: (glm_moe_dsa.GlmMoeDsaConfig, glm_moe_dsa.GlmMoeDsaForCausalLM) for t in glm_moe_dsa.MODEL_TYPES},
+
+class Family(NamedTuple):
+    config: type[ModelConfig]
+    model: type[nn.Module]
+    planner: FamilyPlanner | None  # what `longstraw plan` needs of it (models/planner.py); None: not plannable
+
+
+FAMILIES: dict[str, Family] = {
+    **{t: Family(dense.DenseConfig, dense.DenseForCausalLM, dense.PLANNER) for t in dense.MODEL_TYPES},
+    **{t: Family(qwen3_5.Qwen35Config, qwen3_5.Qwen35ForCausalLM, qwen3_5.PLANNER) for t in qwen3_5.MODEL_TYPES},
+    **{t: Family(glm_moe_dsa.GlmMoeDsaConfig, glm_moe_dsa.GlmMoeDsaForCausalLM, glm_moe_dsa.PLANNER)
+       for t in glm_moe_dsa.MODEL_TYPES},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -21,13 +32,29 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     mt = cfg.get("model_type")
     if mt not in FAMILIES:
         raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return FAMILIES[mt][0].from_hf(cfg)
+    return FAMILIES[mt].config.from_hf(cfg)
+
+
+def planner_profile(model_type: str) -> FamilyPlanner:
+    """The planner profile of `model_type`'s family (models/planner.py); a family registered without one -> an
+    error naming it and what to declare."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    family = FAMILIES[model_type]
+    if family.planner is None:
+        raise ValueError(
+            f"the {family.config.__name__} family (model_type {model_type!r}) declares no planner profile, so "
+            "`longstraw plan` cannot count it: subclass models/planner.py's FamilyPlanner in the family's package "
+            "(its layer kinds, proxy configs and attention geometry; see models/dense/planner.py) and register it "
+            "in models/registry.py's FAMILIES"
+        )
+    return family.planner
 
 
 def build(cfg: dict) -> nn.Module:
     """The family's model for a config dict, parameters uninitialised (use `build_model` for a random one)."""
     family = config_from_hf(cfg)  # first: it names an unsupported model_type
-    return FAMILIES[cfg["model_type"]][1](family)
+    return FAMILIES[cfg["model_type"]].model(family)
 
 
 def cast(model: nn.Module, dtype: torch.dtype) -> nn.Module:

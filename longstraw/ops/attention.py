@@ -15,6 +15,8 @@ gradient is the same on every rank (parallel/sequence.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -296,14 +298,40 @@ def _unfold(x: Tensor, b: int, h: int) -> Tensor:
     return x.reshape(b, h, *x.shape[3:])
 
 
+def merge_lse(outs: Sequence[Tensor], lses: Sequence[Tensor], total: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Partial attention results (out [..., d], lse [...]) over disjoint key sets merged by log-sum-exp: (out in
+    the accumulation dtype, total lse); where no part saw a key (lse -inf), the output is 0. `total`: the merged
+    lse when the caller has it, else the log-sum-exp over the parts. The one place this merge is written."""
+    if total is None:
+        total = torch.logsumexp(torch.stack(list(lses)), dim=0)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    acc = _acc(outs[0])
+    weighted = [o.to(acc) * torch.exp(lse - safe)[..., None].to(acc) for o, lse in zip(outs, lses)]
+    return sum(weighted[1:], weighted[0]), total
+
+
 def merge_parts(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial attention results (out [..., d], lse [...]) over disjoint key sets merged into one, in o1's
-    dtype; where both parts saw no key (lse -inf), the output is 0."""
-    lse = torch.logaddexp(l1, l2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    acc = _acc(o1)
-    o = o1.to(acc) * torch.exp(l1 - safe)[..., None] + o2.to(acc) * torch.exp(l2 - safe)[..., None]
+    """Two partial attention results merged (`merge_lse`), in o1's dtype."""
+    o, lse = merge_lse((o1, o2), (l1, l2), torch.logaddexp(l1, l2))
     return o.to(o1.dtype), lse
+
+
+def merge_ranks(o: Sequence[Tensor], lse: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The partial results of the ranks (over disjoint key sets, in rank order) merged (`merge_lse`), in o[0]'s
+    dtype."""
+    out, total = merge_lse(o, lse)
+    return out.to(o[0].dtype), total
+
+
+def merge_over(group: SequenceGroup, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The partial results (o [..., d], lse [...]) of every rank of `group` merged (`merge_lse`; a rank with no
+    rows passes lse = -inf): the same (o, lse) on every rank. The weighted parts are summed over the group in
+    the accumulation dtype."""
+    if group.size == 1:
+        return o, lse
+    weighted, total = merge_lse((o,), (lse,), torch.logsumexp(torch.stack(group.gather(lse)), dim=0))
+    group.sum_(weighted)
+    return weighted.to(o.dtype), total
 
 
 def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, parallel: SequenceGroup):
@@ -317,7 +345,7 @@ def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, p
     else:  # a rank that holds none of the visible rows
         o = q.new_zeros(*q.shape[:-1], pv.shape[-1])
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
-    return (*parallel.merge(o, lse), aux)
+    return (*merge_over(parallel, o, lse), aux)
 
 
 class _PrefixSegmentAttention(torch.autograd.Function):

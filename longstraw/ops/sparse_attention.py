@@ -19,7 +19,7 @@ import itertools
 import torch
 
 from ..parallel.sequence import ONE_RANK, SequenceGroup
-from .attention import merge_parts
+from .attention import merge_over, merge_parts
 from .fp32_matmul import matmul_fp32, operand_dtype
 
 Tensor = torch.Tensor
@@ -132,7 +132,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             vb = valid[:, sl, None, :]
             parts["pre"].append(_partial(s, vb & mine[:, :, None], keys[..., :vdim]))
             parts["own"].append(_partial(s, vb & ~in_prefix[:, :, None], keys[..., :vdim]))
-        o_p, l_p = parallel.merge(*(torch.cat(x, dim=1) for x in zip(*parts["pre"])))
+        o_p, l_p = merge_over(parallel, *(torch.cat(x, dim=1) for x in zip(*parts["pre"])))
         out, lse = merge_parts(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
         ctx.save_for_backward(q, own, pos, valid, out, lse)
         ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim

@@ -23,28 +23,48 @@ Shapes: q [B, H, t, d]; k, v [B, Hkv, t, d]; prefix k, v [Hkv, N, d] (this rank'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..parallel.sequence import SequenceGroup, pad_to
-from .attention import (_acc, _fold, _forward, _unfold, merge_parts, part_backward, prefix_part_backward,
-                        unmasked_part_backward)
+from .attention import (_acc, _fold, _forward, _unfold, merge_parts, merge_ranks, part_backward,
+                        prefix_part_backward, unmasked_part_backward)
 
 Tensor = torch.Tensor
 
 
-def merge_ranks(o: list[Tensor], lse: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Partial results of the ranks (over disjoint key sets) merged; -inf where no rank saw a key."""
-    total = torch.logsumexp(torch.stack(lse), dim=0)
-    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    acc = _acc(o[0])
-    out = sum(oi.to(acc) * torch.exp(li - safe)[..., None] for oi, li in zip(o, lse))
-    return out.to(o[0].dtype), total
+@dataclass(frozen=True)
+class KeyValues:
+    """Keys and values that some queries see and that are constant to autograd (the prefix rows, a query tile's
+    keys before it, this rank's block of a split chunk): the backward adds their gradient into `grad` (sinks of
+    their shape, for k and v), if given. Shared keys and values (absorbed MLA) are one tensor for both."""
+
+    k: Tensor
+    v: Tensor
+    grad: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class SplitQueries:
+    """Whose queries meet on this rank: every rank's query count (`sizes`, by rank of `group`).
+
+    `earlier`: for the blocks of one prompt chunk (batch 1), the ranks whose blocks precede this one (in position
+    order), whose keys the queries see too; None for independent sequences, such as the branches each rank
+    replays (any batch, the same on every rank), or for a query tile (its earlier blocks' keys stay on their
+    ranks). `later`: the ranks whose queries see this rank's whole block (a query tile's `block`)."""
+
+    sizes: list[int]
+    group: SequenceGroup
+    earlier: list[int] | None = None
+    later: tuple[int, ...] = ()
 
 
 class _SplitChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, sizes, earlier, group, kernel, lead,
-                lead_grad, block):
+    def forward(ctx, q, k, v, scale, prefix: KeyValues, queries: SplitQueries, kernel: str, lead: KeyValues | None,
+                block: KeyValues | None):
+        sizes, earlier, group = queries.sizes, queries.earlier, queries.group
         longest, t = max(sizes), q.shape[2]
         hkv = k.shape[1]
         shared = k is v  # absorbed MLA: one latent tensor is both keys and values
@@ -60,21 +80,21 @@ class _SplitChunkAttention(torch.autograd.Function):
             o, lse = merge_parts(o_e, l_e, o, lse)
         aux_lead = None
         if lead is not None:  # a query tile's keys before it (models/common/recompute.py)
-            o_l, l_l, aux_lead = _forward(q, *lead, False, scale, kernel)
+            o_l, l_l, aux_lead = _forward(q, lead.k, lead.v, False, scale, kernel)
             o, lse = merge_parts(o_l, l_l, o, lse)
         # the prefix rows of earlier chunks: every block's queries over this rank's rows, results to their owners
         q_all = group.gather_padded(q, longest, dim=2)
         aux_pre = None
-        if prefix_k.shape[1]:
-            o_p, l_p, aux_pre = _forward(_fold(q_all, hkv), prefix_k[None], prefix_v[None], False, scale, kernel)
+        if prefix.k.shape[1]:
+            o_p, l_p, aux_pre = _forward(_fold(q_all, hkv), prefix.k[None], prefix.v[None], False, scale, kernel)
             o_p, l_p = _unfold(o_p, q_all.shape[0], q.shape[1]), _unfold(l_p, q_all.shape[0], q.shape[1])
         else:
-            o_p = q_all.new_zeros(*q_all.shape[:-1], prefix_v.shape[-1])
+            o_p = q_all.new_zeros(*q_all.shape[:-1], prefix.v.shape[-1])
             l_p = torch.full(q_all.shape[:-1], float("-inf"), dtype=_acc(q), device=q.device)
         aux_block = None
-        if block is not None and block[3]:  # the later blocks' queries over this rank's whole block
-            later = torch.tensor(block[3], device=q.device)
-            o_b, l_b, aux_block = _forward(_fold(q_all[later], hkv), block[0], block[1], False, scale, kernel)
+        if block is not None and queries.later:  # the later blocks' queries over this rank's whole block
+            later = torch.tensor(queries.later, device=q.device)
+            o_b, l_b, aux_block = _forward(_fold(q_all[later], hkv), block.k, block.v, False, scale, kernel)
             o_b, l_b = merge_parts(o_p[later], l_p[later], _unfold(o_b, len(later), q.shape[1]),
                                    _unfold(l_b, len(later), q.shape[1]))
             o_p, l_p = o_p.index_copy(0, later, o_b), l_p.index_copy(0, later, l_b)
@@ -83,33 +103,33 @@ class _SplitChunkAttention(torch.autograd.Function):
         # the earlier blocks' K/V, gathered here, are saved too: per-layer checkpointing then drops them until the
         # backward, as it drops the rest (an attribute of ctx would stay alive with every layer's graph)
         ctx.save_for_backward(q, k, v, o, lse, q_all, ke, ve)
-        ctx.lead, ctx.lead_grad, ctx.block = lead, lead_grad, block  # constants to autograd, as the prefix
-        ctx.prefix, ctx.grads = (prefix_k, prefix_v), (grad_k, grad_v)  # views of a growing buffer (see attention.py)
+        # constants to autograd; the prefix rows are views of a growing buffer (see attention.py)
+        ctx.prefix, ctx.lead, ctx.block = prefix, lead, block
         ctx.aux = (aux_own, aux_early, aux_pre, aux_lead, aux_block)
-        ctx.scale, ctx.sizes, ctx.earlier, ctx.group, ctx.kernel, ctx.shared = (scale, sizes, earlier, group,
-                                                                                 kernel, shared)
+        ctx.scale, ctx.queries, ctx.kernel, ctx.shared = scale, queries, kernel, shared
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, q_all, ke, ve = ctx.saved_tensors
-        (pk, pv), (gk, gv) = ctx.prefix, ctx.grads
+        prefix, queries = ctx.prefix, ctx.queries
         aux_own, aux_early, aux_pre, aux_lead, aux_block = ctx.aux
-        group, sizes, scale, kernel = ctx.group, ctx.sizes, ctx.scale, ctx.kernel
+        group, sizes, earlier, scale, kernel = queries.group, queries.sizes, queries.earlier, ctx.scale, ctx.kernel
         c, longest, t, h, hkv = len(sizes), max(sizes), q.shape[2], q.shape[1], k.shape[1]
         do = do.contiguous()
         dq, dk, dv = part_backward(do, q, k, v, o, lse, True, scale, kernel, aux_own)
         if ctx.lead is not None:
-            dq = dq.add_(unmasked_part_backward(do, q, *ctx.lead, o, lse, scale, kernel, aux_lead, ctx.lead_grad))
-        if ctx.earlier is not None:
+            lead = ctx.lead
+            dq = dq.add_(unmasked_part_backward(do, q, lead.k, lead.v, o, lse, scale, kernel, aux_lead, lead.grad))
+        if earlier is not None:
             # earlier blocks: their dK/dV go back to their owners (zeros to everyone else, to keep shapes equal)
             zeros = k.new_zeros(1, hkv, longest, k.shape[-1] + (0 if ctx.shared else v.shape[-1]))
             back = [zeros] * c
-            if ctx.earlier:
+            if earlier:
                 dq_e, dke, dve = part_backward(do, q, ke, ve, o, lse, False, scale, kernel, aux_early)
                 dq = dq + dq_e
                 d_early = dke + dve if ctx.shared else torch.cat([dke, dve], dim=-1)
-                for r, part in zip(ctx.earlier, d_early.split([sizes[r] for r in ctx.earlier], dim=2)):
+                for r, part in zip(earlier, d_early.split([sizes[r] for r in earlier], dim=2)):
                     back[r] = pad_to(part, longest, dim=2)
             mine = sum(group.exchange(back)).narrow(2, 0, t)
             if ctx.shared:
@@ -122,47 +142,39 @@ class _SplitChunkAttention(torch.autograd.Function):
         o_all = group.gather_padded(o, longest, dim=2)
         lse_all = group.gather_padded(lse, longest, dim=2)
         f = lambda x: _fold(x, hkv)  # noqa: E731
-        if pk.shape[1]:
+        if prefix.k.shape[1]:
             # shared keys and values have one sink: both add into it
-            dq_p = prefix_part_backward(f(do_all), f(q_all), pk, pv, f(o_all), f(lse_all), scale, kernel, aux_pre,
-                                        None if gk is None else (gk, gv))
+            dq_p = prefix_part_backward(f(do_all), f(q_all), prefix.k, prefix.v, f(o_all), f(lse_all), scale, kernel,
+                                        aux_pre, prefix.grad)
             dq_p = _unfold(dq_p, q_all.shape[0], h)
         else:
             dq_p = torch.zeros_like(q_all)
-        if ctx.block is not None and ctx.block[3]:
-            bk, bv, sinks, ranks = ctx.block
-            later = torch.tensor(ranks, device=q.device)
-            dq_b = unmasked_part_backward(f(do_all[later]), f(q_all[later]), bk, bv, f(o_all[later]),
-                                          f(lse_all[later]), scale, kernel, aux_block, sinks)
-            dq_p.index_add_(0, later, _unfold(dq_b, len(ranks), h))
+        if ctx.block is not None and queries.later:
+            block = ctx.block
+            later = torch.tensor(queries.later, device=q.device)
+            dq_b = unmasked_part_backward(f(do_all[later]), f(q_all[later]), block.k, block.v, f(o_all[later]),
+                                          f(lse_all[later]), scale, kernel, aux_block, block.grad)
+            dq_p.index_add_(0, later, _unfold(dq_b, len(queries.later), h))
         dq = dq + sum(group.exchange_split(dq_p)).narrow(2, 0, t)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: tuple[Tensor, Tensor],
-                          prefix_grad: tuple[Tensor, Tensor] | None, sizes: list[int], earlier: list[int] | None,
-                          group: SequenceGroup, kernel: str = "auto", lead: tuple[Tensor, Tensor] | None = None,
-                          lead_grad: tuple[Tensor, Tensor] | None = None, block: tuple | None = None) -> Tensor:
+def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, prefix: KeyValues, queries: SplitQueries,
+                          kernel: str = "auto", lead: KeyValues | None = None, block: KeyValues | None = None
+                          ) -> Tensor:
     """Attention of this rank's queries over the sharded prefix and their own keys, every rank's queries visiting
-    every rank's rows: `sizes` are the ranks' query counts, `prefix` this rank's rows; with `prefix_grad` (exact
-    mode) the backward adds their gradient into it. Shared keys and values (absorbed MLA) are passed as the same
-    tensor for k and v.
-
-    `earlier`: for the blocks of one prompt chunk (batch 1), the ranks whose blocks precede this one (in position
-    order), whose keys the queries see too; None for independent sequences, such as the branches each rank
-    replays (any batch, the same on every rank).
+    every rank's rows (`queries`: whose they are, and which earlier blocks they see): `prefix` are this rank's rows
+    ([Hkv, N, d]); with their `grad` (exact mode) the backward adds their gradient into it. Shared keys and values
+    (absorbed MLA) are passed as the same tensor for k and v.
 
     `lead`: keys and values [B, Hkv, L, d] on this rank that every query of it sees (a query tile's block's tokens
-    before it), constant to autograd like the prefix: the backward adds their gradient into `lead_grad`, if
-    given.
+    before it).
 
-    `block`: (keys, values [1, Hkv, T, d], their gradient's sinks or None, ranks): this rank's whole block of a
-    split chunk, which the queries of those ranks (the blocks after it) see. A query tile passes it instead of
-    `earlier`: the later blocks' queries come here, like the prefix's, and the block's keys stay."""
+    `block`: keys and values [1, Hkv, T, d] of this rank's whole block of a split chunk, which the queries of the
+    ranks `queries.later` (the blocks after it) see. A query tile passes it instead of `queries.earlier`: the later
+    blocks' queries come here, like the prefix's, and the block's keys stay."""
     if lead is not None and k is v:
         raise ValueError("lead keys are for separate keys and values (not absorbed MLA's shared latent)")
-    if earlier is not None and q.shape[0] != 1:
+    if queries.earlier is not None and q.shape[0] != 1:
         raise ValueError("the blocks of a prompt chunk run with batch 1")
-    gk, gv = prefix_grad if prefix_grad is not None else (None, None)
-    return _SplitChunkAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, sizes, earlier, group, kernel,
-                                      lead, lead_grad, block)
+    return _SplitChunkAttention.apply(q, k, v, scale, prefix, queries, kernel, lead, block)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.sequence import SequenceGroup
+from .attention import merge_ranks
 from .fp32_matmul import matmul_fp32, operand_dtype
 from .sparse_attention import NEG, QUERY_BLOCK, _local_rows, _partial, topk_candidates
-from .split_attention import merge_ranks
 
 Tensor = torch.Tensor
 

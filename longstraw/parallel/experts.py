@@ -27,8 +27,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..models.common.moe import Experts
-
 
 @dataclass
 class ExpertGroup:
@@ -47,9 +45,21 @@ class ExpertGroup:
         return route(rows, experts, self, run)
 
 
+class FusedExperts(nn.Module):
+    """What a module of fused experts subclasses to be found and made expert-parallel here (models/common/moe.py's
+    `Experts` does): parallel/ sits below the models and names none of their classes.
+
+    Its parameters: gate_up_proj [E, 2I, H], down_proj [E, H, I]; `ep` is None, or its `ExpertGroup` once
+    `shard_experts` has split them."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    ep: ExpertGroup | None
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The model's fused-experts modules (those that can be expert-parallel)."""
-    return [m for m in model.modules() if isinstance(m, Experts)]
+    return [m for m in model.modules() if isinstance(m, FusedExperts)]
 
 
 def _adapted(model: nn.Module) -> bool:

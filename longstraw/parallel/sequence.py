@@ -18,8 +18,9 @@ and summed over the group.
 Replay gives each rank its share of the branches (padded with fillers that add nothing, so that G need not
 divide by C), whose queries visit every rank's rows as a split chunk's do. Scoring without gradients and decoding
 (few queries over the sharded prefix: the right pattern there) run all the queries on every rank; the attention
-over the prefix is split by owner and merged by log-sum-exp (`merge`), so every rank holds the same output. In a backward the gradient of a rank's own rows stays
-on it (dState is sharded like the state).
+over the prefix is split by owner and merged by log-sum-exp (`ops.attention.merge_over`, over `gather` and
+`sum_`), so every rank holds the same output. In a backward the gradient of a rank's own rows stays on it (dState
+is sharded like the state).
 """
 
 from __future__ import annotations
@@ -99,11 +100,6 @@ class SequenceGroup:
         return rank
 
     # ---- collectives (the identity on one rank) ------------------------------------------------------------
-    def merge(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-        """The partial attention results (o [..., d], lse [...]) of all ranks merged by log-sum-exp; a rank with
-        no rows passes lse = -inf. Returns the same (o, lse) on every rank."""
-        return o, lse
-
     def gather(self, t: Tensor) -> list[Tensor]:
         """`t` of every rank (same shape on all), in rank order."""
         return [t]
@@ -209,16 +205,6 @@ class SequenceParallel(SequenceGroup):
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     # ---- collectives ------------------------------------------------------------------------------------
-    def merge(self, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-        """The partial attention results (o [..., d], lse [...]) of all ranks merged by log-sum-exp; a rank with
-        no rows passes lse = -inf. Returns the same (o, lse) on every rank."""
-        total = torch.logsumexp(torch.stack(self.gather(lse)), dim=0)
-        safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-        acc = torch.promote_types(o.dtype, torch.float32)
-        weighted = o.to(acc) * torch.exp(lse - safe)[..., None].to(acc)
-        self.sum_(weighted)
-        return weighted.to(o.dtype), total
-
     def gather(self, t: Tensor) -> list[Tensor]:
         """`t` of every rank (same shape on all), in rank order."""
         out = [torch.empty_like(t) for _ in range(self.size)]

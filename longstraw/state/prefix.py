@@ -120,6 +120,3 @@ class PrefixState:
     def grad_buffer(self) -> dict[int, LayerState]:
         """dLoss/dState buffers, zeros, one per layer (the exact mode's sinks and leaf gradients)."""
         return {i: s.grad_buffer() for i, s in enumerate(self.layers)}
-
-    def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for layer in self.layers for t in layer.tensors()]

@@ -17,7 +17,7 @@ attention layer's whole recompute in query tiles (`LayerKind.query_tiles`): `Act
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ import torch
 
 from ..engine.budget import PROBE_TOKENS, activation_bytes_per_token
 from ..lora import add_lora
-from ..models.registry import build_model, config_from_hf
+from ..models.registry import build_model, config_from_hf, planner_profile
 from ..ops import gated_delta
 
 FLA_CHUNK = 64  # flash-linear-attention's chunk: A holds 64 entries per token and value head
@@ -103,32 +103,16 @@ def gpu_kernels_counted() -> Iterator[list[int]]:
         gated_delta.chunk_gated_delta_rule = torch_form
 
 
-def _proxies(hf_config: dict) -> list[tuple[str, int, dict, bool]]:
-    """(kind, how many layers, a config of one such layer, whether the last layer is one) for each distinct
-    layer kind; small vocab, MoE cut to the experts a token uses (what a token's activations depend on)."""
-    cfg = dict(hf_config.get("text_config") or hf_config) if hf_config["model_type"] == "qwen3_5" else dict(hf_config)
-    cfg.update(vocab_size=256, tie_word_embeddings=False)
-    model_cfg = config_from_hf(hf_config)
-    if hf_config["model_type"] in ("qwen3_5", "qwen3_5_text"):
-        cfg["model_type"] = "qwen3_5_text"
-        kinds, key = model_cfg.layer_types, "layer_types"
-    elif hf_config["model_type"] == "glm_moe_dsa":
-        cfg.update(n_routed_experts=cfg["num_experts_per_tok"], n_group=1, topk_group=1)
-        kinds, key = model_cfg.mlp_layer_types, "mlp_layer_types"
-    else:
-        return [("decoder", model_cfg.num_hidden_layers, cfg, True)]
-    return [(k, kinds.count(k), {**cfg, key: [k]}, k == kinds[-1]) for k in dict.fromkeys(kinds)]
+def _proxies(hf_config: dict) -> list[tuple[str, int, Callable[[int], dict], bool]]:
+    """(kind, how many layers, the config of n layers of that kind, whether the last layer is one) for each
+    distinct layer kind, as the family's planner profile (models/planner.py) gives them, with a small vocabulary."""
+    family = planner_profile(hf_config["model_type"])
+    kinds = family.layer_kinds(config_from_hf(hf_config))
 
+    def layers_of(kind: str) -> Callable[[int], dict]:
+        return lambda n: {**family.proxy_config(hf_config, kind, n), "vocab_size": 256, "tie_word_embeddings": False}
 
-def _layers(cfg: dict, n: int) -> dict:
-    """`cfg` with n layers of its one kind."""
-    out = {**cfg, "num_hidden_layers": n}
-    for key in ("layer_types", "mlp_layer_types"):
-        if key in cfg:
-            out[key] = cfg[key] * n
-    if cfg["model_type"] == "glm_moe_dsa":
-        out["indexer_types"] = ["full"] * n
-    return out
+    return [(k, kinds.count(k), layers_of(k), k == kinds[-1]) for k in dict.fromkeys(kinds)]
 
 
 def _proxy(cfg: dict, lora: dict | None, dtype: torch.dtype) -> torch.nn.Module:
@@ -196,12 +180,13 @@ def activation_profile(hf_config: dict, lora: dict | None = None, *, gpu: bool =
     """Each layer kind's saved bytes per token, from proxies of one and two layers of it: a layer costs what the
     second one adds; the first probe's difference to one layer is what the last layer of a prompt chunk saves
     less (it only emits its state). `gpu`: the GPU kernels' tensors where they differ (else the CPU path's)."""
+    proxies = _proxies(hf_config)  # first: it names a family without a planner profile
     model_cfg = config_from_hf(hf_config)
     kinds, saving = [], 0
-    for name, count, cfg, has_last in _proxies(hf_config):
-        single = _proxy(_layers(cfg, 1), lora, dtype)
+    for name, count, layers_of, has_last in proxies:
+        single = _proxy(layers_of(1), lora, dtype)
         one = _probe(single, gpu)
-        layer = _probe(_proxy(_layers(cfg, 2), lora, dtype), gpu) - one
+        layer = _probe(_proxy(layers_of(2), lora, dtype), gpu) - one
         kinds.append(LayerKind(name, count, layer, _tiled_saving(single), *_query_tiles(single)))
         if has_last:
             saving = max(0, layer - one)

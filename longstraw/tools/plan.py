@@ -33,14 +33,14 @@ import math
 
 import torch
 
-from ..engine import EngineConfig, boundary_interval
-from ..engine.chunks import checkpoint_every
+from ..engine import EngineConfig
+from ..engine.policy import GRAPH_SHARE, Costs, layer_major_bytes, resolve
 from ..engine.routing import prompt_moe_layers
-from ..models.common.head import default_head_chunk
 from ..models.common.moe import MoE, expert_id_dtype
 from ..lora import check_lora_targets
 from ..models.config import with_rope_scaling
-from ..models.registry import build, config_from_hf
+from ..models.planner import AttentionGeometry, HeadAttention, LatentSparseAttention
+from ..models.registry import build, config_from_hf, planner_profile
 from ..ops.attention import grad_rows
 from ..ops.sparse_attention import SCORE_BYTES
 from ..parallel.experts import expert_modules, experts_divide
@@ -93,32 +93,39 @@ def _attention_extras(meta, tokens_per_rank: float, width: int, ranks: int, devi
     cfg = meta.config
     states = meta.empty_state(1, torch.float32 if width == 4 else torch.bfloat16, "meta")
     rows = [s.bytes_per_token for s in states if s.token_axis is not None]
-    backward = own_backward = scores = 0
     tiles = max(layer.query_tile_count for layer in meta.decoder_layers)
-    if cfg.model_type == "glm_moe_dsa":
-        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        query = cfg.num_attention_heads * row * 2 + cfg.index_n_heads * cfg.index_head_dim * 2
-        candidates = cfg.index_topk * 12
-        # ops/split_sparse_attention.py's backward: every gathered query's output gradient (the values' width, in
-        # the model's dtype); per own query, its fp32 gradient and, a slice of positions at a time, the fp32
-        # shares it sends and receives (a slice of every rank's queries is about the rank's own count)
-        backward = cfg.num_attention_heads * cfg.kv_lora_rank * width
-        own_backward = 3 * cfg.num_attention_heads * row * 4
-        # the selection's per-head index scores of one key block (ops/sparse_attention.key_block), two alive
-        scores = 2 * SCORE_BYTES
-    else:
-        q_row = cfg.num_attention_heads * cfg.head_dim * width
-        query, candidates = q_row if ranks > 1 else 0, 0  # one rank gathers none
-        # the attention's backward (ops/attention.py, ops/split_attention.py), about five query-sized buffers: dO
-        # made contiguous, the own part's dq, a row block's dq and their sum, the copies that fold rows to the
-        # prefix's heads; split over ranks, also every rank's gathered output gradients and outputs
-        backward = q_row * (5 + (2 if ranks > 1 else 0))
+    query, candidates, backward, own_backward, scores = _query_bytes(planner_profile(cfg.model_type).attention(cfg),
+                                                                     width, ranks)
     # the prefix rows' gradient comes out `grad_rows` rows at a time on `device` (ops/attention.py); DSA's goes
     # into its sink by selected row, counted alike (an upper bound)
     prefix_grad = max(rows, default=0) * min(tokens_per_rank, grad_rows(device))
     return {"query": query, "prefix_grad": prefix_grad, "candidates": candidates,
             "query_backward": backward, "own_query_backward": own_backward, "index_scores": scores,
             "layers": len(rows), "query_tiles": tiles}
+
+
+def _query_bytes(geometry: AttentionGeometry, width: int, ranks: int) -> tuple[int, int, int, int, int]:
+    """(gathered query, candidates, backward per gathered query, backward per own query, index scores) in bytes,
+    as `_attention_extras` counts them, for an attention layer of `geometry` (the family's planner profile)."""
+    if isinstance(geometry, LatentSparseAttention):
+        row = geometry.latent_dim + geometry.rope_dim
+        query = geometry.heads * row * 2 + geometry.index_heads * geometry.index_head_dim * 2
+        # ops/split_sparse_attention.py's backward: every gathered query's output gradient (the values' width, in
+        # the model's dtype); per own query, its fp32 gradient and, a slice of positions at a time, the fp32
+        # shares it sends and receives (a slice of every rank's queries is about the rank's own count)
+        backward = geometry.heads * geometry.latent_dim * width
+        own_backward = 3 * geometry.heads * row * 4
+        # the selection's per-head index scores of one key block (ops/sparse_attention.key_block), two alive
+        return query, geometry.top_k * 12, backward, own_backward, 2 * SCORE_BYTES
+    if isinstance(geometry, HeadAttention):
+        q_row = geometry.heads * geometry.head_dim * width
+        # the attention's backward (ops/attention.py, ops/split_attention.py), about five query-sized buffers: dO
+        # made contiguous, the own part's dq, a row block's dq and their sum, the copies that fold rows to the
+        # prefix's heads; split over ranks, also every rank's gathered output gradients and outputs
+        backward = q_row * (5 + (2 if ranks > 1 else 0))
+        return q_row if ranks > 1 else 0, 0, backward, 0, 0  # one rank gathers no queries
+    raise ValueError(f"attention geometry {type(geometry).__name__} has no byte count in the planner: add it to "
+                     "tools/plan.py's _query_bytes (models/planner.py lists the geometries)")
 
 
 def expert_parallel_default(meta, zero: int, gpus: int, asked: bool | None) -> bool:
@@ -228,18 +235,23 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
     state = rows + size["fixed_bytes"] + fixed["routing"]
     dstate = (size["bytes_per_token"] - size["bytes_per_token_nograd"]) * tokens / c + size["fixed_bytes"]
     budget = gpu_mem_gb * 1e9
-    mine = math.ceil(size["prompt_chunks"] / c)  # each rank keeps the boundaries of its own chunks
-    every = boundary_interval(EngineConfig(prompt_chunk=chunk), mine, size["fixed_bytes"], int(budget))
+    # the engine's own policy (engine/policy.py) on these estimates: every prompt graph recomputed
+    costs = Costs(chunk_tokens=(chunk,) * size["prompt_chunks"], ranks=c, fixed_bytes=int(size["fixed_bytes"]),
+                  layer_major_bytes=layer_major_bytes(meta.config.num_hidden_layers, tokens / c,
+                                                      meta.config.hidden_size * 2, int(size["fixed_bytes"]),
+                                                      size["prompt_chunks"]),
+                  layer_major_auto=zero == 3, activation_bytes_per_token=lambda: int(profile.per_token(False)),
+                  checkpointed_bytes_per_token=int(profile.per_token(True)), vocab_size=meta.config.vocab_size)
+    policy = resolve(EngineConfig(prompt_chunk=chunk, checkpoint_layers=ckpt, prompt_order=order,
+                                  prompt_graph_budget=0, head_chunk=head_chunk), costs, int(budget), exact=True)
+    mine = costs.rank_chunks  # each rank keeps the boundaries of its own chunks
+    every = policy.boundary_every
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
-    # ZeRO-3's layer-major prompt backward (engine/prompt_by_layer.py), when it fits a quarter of the GPU (its
-    # `auto` rule): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk;
-    # it runs one layer at a time (no whole-chunk graph)
-    layers = meta.config.num_hidden_layers
-    k = checkpoint_every(layers)
-    checkpoints = (-(-layers // k) + k) * tokens / c * meta.config.hidden_size * 2 + \
-        size["fixed_bytes"] * k / layers * (size["prompt_chunks"] + 1)
-    by_layer = checkpoints if zero == 3 and (order == "layers" or order == "auto" and checkpoints <= budget / 4) \
-        else 0.0
+    # the layer-major prompt backward (engine/prompt_by_layer.py; auto: under ZeRO-3, when it fits a quarter of
+    # the GPU): layers / k + k hidden states of the rank's tokens, one group's fixed-size states per chunk; it
+    # runs one layer at a time (no whole-chunk graph)
+    checkpoints = costs.layer_major_bytes
+    by_layer = checkpoints if policy.prompt_order == "layers" else 0.0
     block = math.ceil(chunk / c)  # a rank runs its block of each chunk only
     held = 1 if ckpt or by_layer else attn["layers"]  # attention layers whose gathered queries are alive at once
     chunk_act = profile.per_token(ckpt or bool(by_layer)) * block
@@ -249,7 +261,7 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
         attn["prefix_grad"] + attn["candidates"] * chunk + attn["own_query_backward"] * block + \
         attn["index_scores"] + fixed["all_to_all"] * block
     vocab = meta.config.vocab_size
-    head = min(head_chunk or default_head_chunk(vocab), response_tokens)
+    head = min(policy.head_chunk, response_tokens)
     branch_act = profile.per_token(ckpt) * response_tokens  # one branch at a time (branch_batch 1)
     tiles = attn["query_tiles"] if ckpt else 1
     branch_peak = branch_act + head * vocab * LOGIT_BYTES + \
@@ -350,5 +362,5 @@ def format_plan(r: dict, fit_exact: int | None, fit_detached: int | None) -> str
         lines.append(f"prompt order: {r['prompt_order']} (layer by layer each layer is gathered once per pass, for "
                      f"{r['layer_major_bytes'] / 1e9:,.2f} GB of checkpoints; auto takes it when they fit a quarter "
                      "of the GPU)" + ("; set engine.prompt_order: chunks" if r.get("prompt_order_setting") ==
-                                      "chunks" and r["layer_major_bytes"] <= r["gpu_bytes"] / 4 else ""))
+                                      "chunks" and r["layer_major_bytes"] <= r["gpu_bytes"] / GRAPH_SHARE else ""))
     return "\n".join(lines)

@@ -315,8 +315,7 @@ def _rehearse(hf_config: dict, tokens: int, plan: dict, responses: int, response
         phases["state"] = live.now
         replay(model, state, branches, GRPOConfig(), dstate, engine=engine, parallel=group)
         phases["replay"] = live.peak
-        prompt_backward(model, state, dstate, parallel=group, order="chunks",
-                        checkpoint_layers=engine.checkpoint_layers, last_chunks=last_chunks)
+        prompt_backward(model, state, dstate, engine=engine, parallel=group, last_chunks=last_chunks)
         phases["prompt backward"] = live.peak
         if optimizer is not None:
             opt, pairs = optimizer

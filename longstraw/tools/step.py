@@ -42,8 +42,8 @@ def synthetic_inputs(cfg: StepConfig, model, prompt: torch.Tensor, responses: li
     if loss.mask_truncated_completions:
         out["truncated"] = [r.numel() == cfg.response_tokens[1] for r in responses]
     if loss.kl_coef > 0 or loss.rollout_correction != "off" or loss.off_policy_mask_threshold is not None:
-        logps = score(model, capture(model, prompt, cfg.engine, parallel=parallel), responses,
-                      cfg.engine.branch_batch, parallel=parallel, head_chunk=cfg.engine.head_chunk)
+        logps = score(model, capture(model, prompt, cfg.engine, parallel=parallel), responses, engine=cfg.engine,
+                      parallel=parallel)
         g = torch.Generator().manual_seed(cfg.seed + 1)
         noisy = lambda: [lp.cpu() + 0.05 * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
                          for lp in logps]

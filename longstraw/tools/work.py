@@ -34,8 +34,9 @@ GDN_CHUNK = 64
 
 def _active_parameters(model: torch.nn.Module) -> tuple[float, float]:
     """(non-embedding parameters a token uses, LM head parameters)."""
-    cfg = model.config
-    share = getattr(cfg, "num_experts_per_tok", 1) / max(getattr(cfg, "n_routed_experts", 1) or 1, 1)
+    # a token runs through top-k of the routed experts: that share of their weights
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    share = moe[0].gate.top_k / moe[0].gate.experts if moe else 1.0
     body = 0.0
     for name, p in model.named_parameters():
         if "embed_tokens" in name or name.startswith("lm_head"):

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..config import DType, ModelSpec
 from ..engine import EngineConfig
 from ..grpo import GRPOConfig
+from ..sampler import check_backend
 from .device import check_device_setting
 
 
@@ -46,7 +47,7 @@ class OptimConfig(_Strict):
         "none", description="where the fp32 master weights and AdamW moments live and are stepped: none on the "
         "model's device (torch AdamW); cpu in host memory, stepped by DeepSpeed's CPU Adam (DeepSpeedCPUAdam, AdamW "
         "mode) and copied back to the device parameters; nvme like cpu, the master and moments in files under "
-        "nvme_path (memory-mapped; see README 'Mixed precision and optimizer offload')")
+        "nvme_path (memory-mapped; see docs/precision.md)")
     nvme_path: str | None = Field(
         None, description="offload nvme: directory (on a fast local disk) for the master weights and moments; each "
         "rank uses its own subdirectory, recreated at every start (a checkpoint holds the state)")
@@ -171,6 +172,16 @@ def without_placement(config: dict) -> dict:
     return {**config, "pipeline": pipeline}
 
 
+class RolloutConfig(_Strict):
+    backend: str = Field("native", description="the sampler that draws the answers (longstraw/sampler.py, "
+                         "`SAMPLERS`): native, longstraw's own decode on the shared prefix state")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return check_backend(v)
+
+
 class TrackingConfig(_Strict):
     uri: str | None = Field(None, description="MLflow tracking URI; default: sqlite:///<run_dir>/mlflow.db")
     experiment: str = "longstraw"
@@ -201,6 +212,7 @@ class TrainConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    rollout: RolloutConfig = Field(RolloutConfig(), description="which sampler draws the answers")
     reward: str | list[str] | None = Field(
         None, description="reward name or module:function, or a list of them (several reward functions, weighted by "
         "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier")

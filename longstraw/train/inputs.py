@@ -88,7 +88,8 @@ def read_rollout(cfg: TrainConfig, rollout: Artefact) -> StoredRollout:
 def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict:
     """Score the answers of the rollout (an `Artefact`'s JSON) with each reward function and, when they need no
     other group's rewards, turn them into the group's advantages; returns the stored record's `Artefact` JSON with
-    the reward metrics (the weighted reward's and each function's mean). The record holds each function's rewards
+    the reward metrics (the weighted reward's and each function's mean) and those advantages, which the flow sends
+    to every rank's replay. The record holds each function's rewards
     (None: it does not apply to that answer), their weighted sum ("rewards", None: no function applies) and the
     advantages the replay reads (else `advantage_stage` writes them)."""
     t0 = time.perf_counter()
@@ -117,6 +118,8 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
            "reward_std": (sum((r - mean) ** 2 for r in scored) / n) ** 0.5,
            "accuracy": sum(r >= 1.0 for r in scored) / n, "reward_failures": failed,
            "reward_unscorable": len(texts) - len(scored)}
+    if "advantages" in record:
+        out["advantages"] = record["advantages"]
     for name, values in per_function.items():  # TRL's rewards/<name>/mean, over the answers it applies to
         if present := [v for v in values if not math.isnan(v)]:
             out[reward_metric(name)] = sum(present) / len(present)
@@ -127,14 +130,15 @@ def advantage_stage(cfg: TrainConfig, rewards: list[dict], step: int, group: int
     """The advantages of one group when they depend on the whole step's rewards (`grpo.scale_rewards` batch, or
     `multi_objective_aggregation` normalize_then_sum): read every group's reward record (`rewards`: their
     `Artefact`s' JSON, in group order), compute all advantages, store this group's as the record the replay reads;
-    returns its `Artefact` JSON."""
+    returns its `Artefact` JSON with the advantages."""
     t0 = time.perf_counter()
     records = [load_json(a.path, a.sha256) for a in map(Artefact.from_json, rewards)]
     adv = _advantages(cfg, _table([r["rewards_per_function"] for r in records], cfg.rewards))
     g = cfg.responses
     record = {"rewards": records[group]["rewards"], "advantages": adv[group * g:(group + 1) * g].tolist()}
     path = str(cfg.paths().step(step) / f"advantages-g{group:03d}.json")
-    return {**Artefact(path, save_json(path, record)).to_json(), "seconds": time.perf_counter() - t0}
+    return {**Artefact(path, save_json(path, record)).to_json(), "advantages": record["advantages"],
+            "seconds": time.perf_counter() - t0}
 
 
 def reward_metric(name: str) -> str:

@@ -335,7 +335,9 @@ class Driver:
         self._lock = worker.ranks.control_lock
         self._failed: RankFailed | None = None
 
-    def call(self, op: str, **params) -> dict:
+    def call(self, op: str, /, leader: dict | None = None, **params) -> dict:
+        """Run `op(**params)` on every rank; `leader`: further arguments of rank 0's op alone (never sent, e.g. what
+        only rank 0 writes), which the others' op gets as its defaults."""
         _op(self.worker, op)  # an unknown op fails here, before any rank is sent it
         with self._lock:
             if self._failed is not None:
@@ -344,7 +346,7 @@ class Driver:
             started = time.time()
             try:
                 ranks.broadcast({"op": op, "params": params})
-                return execute(self.worker, op, params)
+                return execute(self.worker, op, params | (leader or {}))
             except Agreed as e:
                 raise e.error from None
             except (RankFailed, RuntimeError) as e:

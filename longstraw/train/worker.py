@@ -11,7 +11,7 @@ stays in memory:
 - the last prefix state used stays resident (`self._state`), so rollout and replay after a capture read nothing;
 - so do the last rollout's answers, log-probs, sampler log-probs, finish reasons and MoE routing (`self._rollout`)
   and the KL reference's log-probs (`self._reference_logps`): reference and replay read them from the store only
-  after a resume.
+  after a resume. Each is a one-slot `LastUsed` (resident.py), keyed by the stored artefact it holds.
 
 MoE routing replay (`moe_routing_replay`, engine/routing.py): epoch 0's capture records the prompt's experts with
 the state, and the rollout each answer's with the rollout (both stored); replay routes the answers as the rollout
@@ -37,47 +37,35 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
-from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, new_dstate,
+from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, new_dstate, plan_group,
                       prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
-from ..engine.routing import Routing, check_replay, prompt_moe_layers
+from ..engine.routing import prompt_moe_layers
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
 from ..memory import PeakMeter
 from ..models import build_model, load_model, meta_model
 from ..parallel import shard_from_rank0, shard_model
-from ..rollout import Sample, rollout
+from ..sampler import Draw, Sampler, SamplingSettings, build_sampler
 from ..sharded_state import (commit_sharded_state, load_state_routing, load_state_shard, read_sharded_manifest,
                              save_state_shard, uncommit)
 from ..state import LayerState, PrefixState
 from ..store import manifest_digest, save_rollout
-from .artifacts import load_json, load_tensors, save_tensors
+from .artifacts import load_tensors, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
 from .config import TrainConfig
 from .data import example_seed
 from .device import run_device
 from .optim import build_optimizer, optimizer_step
+from .resident import LastUsed
+from .answers import Answers, as_rank0_stored, gather_samples, replayed_routing, sampled_answers
 from .spmd import ONE_PROCESS, Ranks, agree
 from .inputs import example_record, make_prompt, read_rollout
-
-
-class Answers(NamedTuple):
-    """What a group's reference and replay ops take of its rollout (rank 0's values, as the store holds them): the
-    answers' token ids, their log-probs at temperature 1, their log-probs under the distribution the sampler drew
-    them from (None: a rollout stored before those were kept), why each ended ("stop" or "length"), and each one's
-    MoE routing: by MoE layer, the experts [tokens, top_k] (None: not recorded)."""
-
-    responses: list[torch.Tensor]
-    logprobs: list[torch.Tensor]
-    sampler_logprobs: list[torch.Tensor] | None
-    finish_reasons: list[str]
-    routing: list[dict[int, torch.Tensor]] | None = None
 
 
 def next_version(version: str, update: int) -> str:
@@ -104,12 +92,14 @@ class Worker:
         self.optim: torch.optim.Optimizer | None = None  # the AdamW (its op is `optimizer`)
         self.update, self.weights_version = 0, ""
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
+        self.sampler: Sampler = build_sampler(cfg.rollout.backend)  # what the rollout op draws the answers with
         self._reference: nn.Module | None = None
-        self._state: tuple[str, str, PrefixState] | None = None  # (url, digest, state) of the last state used
-        # the last rollout sampled or read: (its artefact, its answers), rank 0's on every rank
-        self._rollout: tuple[Artefact, Answers] | None = None
-        # the last KL reference log-probs computed or read: (their artefact, one tensor per answer), rank 0's
-        self._reference_logps: tuple[Artefact, list[torch.Tensor]] | None = None
+        # the last prefix state used, by (url, digest)
+        self._state: LastUsed[tuple[str, str], PrefixState] = LastUsed()
+        # the last rollout sampled or read: its answers by its artefact, rank 0's on every rank
+        self._rollout: LastUsed[Artefact, Answers] = LastUsed()
+        # the last KL reference log-probs computed or read (one tensor per answer) by their artefact, rank 0's
+        self._reference_logps: LastUsed[Artefact, list[torch.Tensor]] = LastUsed()
         self._dstate: dict[tuple[int, int], dict[int, LayerState]] = {}
         # the entropy options' (mask, bonus weights) of a (group, epoch), from its first replay op to the optimizer
         self._entropy: dict[tuple[int, int], tuple] = {}
@@ -216,7 +206,9 @@ class Worker:
                                                            device=self.device)
         self.model_loads += 1
         self.update, self.weights_version = meta["update"], meta["weights_version"]
-        self._state, self._dstate, self._rollout, self._reference_logps, self._entropy = None, {}, None, None, {}
+        for kept in (self._state, self._rollout, self._reference_logps):
+            kept.clear()
+        self._dstate, self._entropy = {}, {}
         ref = None
         if cfg.grpo.kl_coef > 0:  # the KL reference: update 0's weights
             ref = meta if self.update == 0 else read_trainer(paths.checkpoint(0))
@@ -239,8 +231,10 @@ class Worker:
             uncommit(url, cfg.store.storage_options)  # before any shard is rewritten
         with self._meter() as m:
             # exact mode: the boundary states are stored with the state; the kept chunk graphs stay in memory
-            state = capture(self.model, prompt, cfg.engine, parallel=self.parallel, exact=cfg.mode == "exact",
-                            record_routing=cfg.moe_routing_replay, routing=routing)
+            plan = plan_group(self.model, cfg.engine, prompt.numel(), parallel=self.parallel,
+                              exact=cfg.mode == "exact")
+            state = capture(self.model, prompt, cfg.engine, plan=plan, parallel=self.parallel,
+                            exact=cfg.mode == "exact", record_routing=cfg.moe_routing_replay, routing=routing)
             mine = (save_state_shard(state, url, rank, weights_version=weights_version,
                                      shard_tokens=cfg.store.shard_tokens, storage_options=cfg.store.storage_options)
                     if self._writes_shards else None)
@@ -252,10 +246,10 @@ class Worker:
                                             extra={"example": example_record(ex)})
             digest = manifest_digest(manifest)
         digest = self.ranks.broadcast(digest)
-        self._state = (url, digest, state)
+        self._state.keep((url, digest), state)
         return {"url": url, "sha256": digest, "weights_version": weights_version, "prompt_tokens": prompt.numel(),
                 "state_bytes": state.nbytes, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
-                "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9)}
+                "tokens_per_s": prompt.numel() / max(m.seconds, 1e-9), "plan": plan.params()}
 
     def _prompt_routing(self, epoch: int, routing_from: dict | None) -> dict[int, torch.Tensor] | None:
         """The whole prompt's routing a capture forces: under MoE routing replay, a later epoch's is epoch 0's, read
@@ -292,12 +286,11 @@ class Worker:
         prefix = self._load(state)
         mine = self.parallel.branches(cfg.responses)
         with self._meter() as m:
-            samples = rollout(self.model, prefix, n=len(mine), max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=[tok.eos_id],
-                              seed=example_seed(cfg.seed, step, group), parallel=self.parallel,
-                              first_branch=mine.start, record_routing=cfg.moe_routing_replay)
+            samples = self.sampler.sample(self.model, prefix, self._sampling(tok.eos_id),
+                                          Draw(n=len(mine), seed=example_seed(cfg.seed, step, group),
+                                               first_branch=mine.start), parallel=self.parallel)
             if len(mine) < cfg.responses:
-                samples = self._gather_samples(samples)
+                samples = gather_samples(self.ranks, samples)
         lengths = [s.tokens.numel() for s in samples]
         out = {"responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
                "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
@@ -313,70 +306,23 @@ class Worker:
                                     storage_options=cfg.store.storage_options)
             stored = Artefact(url, manifest_digest(manifest))
             out |= stored.to_json()
-        self._keep_rollout(stored, samples)
+        # resident for the group's reference and replay ops, as the store keeps them
+        self._rollout.keep(*sampled_answers(self.ranks, stored, samples, cfg.moe_routing_replay))
         return out
 
-    def _keep_rollout(self, stored: Artefact | None, samples: list[Sample]) -> None:
-        """Keep the answers resident for the group's reference and replay ops, as the store keeps them."""
-        tokens = [s.tokens.to(torch.int64).cpu() for s in samples]
-        logps = [s.logprobs.float().cpu() for s in samples]
-        sampler = [s.sampler_logprobs.float().cpu() for s in samples]
-        # the routing as one list of tensors per MoE layer (the store's values: its integer ids, in their dtype)
-        layers = sorted(samples[0].routing) if self.cfg.moe_routing_replay else []
-        by_layer = [[s.routing[j].cpu() for s in samples] for j in layers]
-        stored, (tokens, logps, sampler, *by_layer) = self._as_rank0_stored(stored, [tokens, logps, sampler,
-                                                                                     *by_layer])
-        routing = [{j: ids[i] for j, ids in zip(layers, by_layer)} for i in range(len(samples))] \
-            if self.cfg.moe_routing_replay else None
-        # finish reasons follow from the tokens (a stop id last or not), and every rank holds rank 0's tokens
-        self._rollout = (stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples], routing))
-
-    def _as_rank0_stored(self, stored: Artefact | None, lists: list[list[torch.Tensor]]
-                         ) -> tuple[Artefact, list[list[torch.Tensor]]]:
-        """Rank 0's artefact (`stored`, None on the others) and rank 0's values of the CPU tensors it stored, on
-        every rank: what a read of the store would give each of them (a GPU's kernels may differ by rank in the
-        last bit). JSON round-trips every float dtype exactly."""
-        if not self.ranks.distributed:
-            return stored, lists
-        got = self.ranks.broadcast({"artefact": stored.to_json(), "lists": [[t.tolist() for t in ts] for ts in lists]}
-                                   if self._leader else None)
-        return Artefact.from_json(got["artefact"]), [[torch.tensor(v, dtype=t.dtype) for v, t in zip(vs, ts)]
-                                                     for vs, ts in zip(got["lists"], lists)]
+    def _sampling(self, eos_id: int) -> SamplingSettings:
+        """The run's sampling settings (an answer ends at the tokenizer's end of sequence)."""
+        cfg = self.cfg
+        return SamplingSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                top_k=cfg.top_k, stop_ids=(eos_id,), record_routing=cfg.moe_routing_replay)
 
     def _responses(self, rollout: dict) -> Answers:
         """The answers of `rollout` (an `Artefact`'s JSON): resident if it was the last one sampled or read, else
         read from the store (after a resume), verified."""
         artefact = Artefact.from_json(rollout)
-        if self._rollout is None or self._rollout[0] != artefact:
-            got = self._agree(lambda: read_rollout(self.cfg, artefact))
-            self._rollout = (artefact, Answers(got.responses, got.logprobs, got.sampler_logprobs,
-                                               got.meta["finish_reasons"], got.routing))
-        return self._rollout[1]
 
-    def _check_sampler_logprobs(self, answers: Answers, rollout: dict) -> None:
-        """A rollout stored before the sampler's log-probs were kept cannot feed a loss that needs them."""
-        grpo = self.cfg.grpo
-        if answers.sampler_logprobs is None and (grpo.rollout_correction != "off"
-                                                 or grpo.off_policy_mask_threshold is not None):
-            raise ValueError(f"the rollout at {rollout['path']} was stored without the sampler's log-probs (by an "
-                             "older longstraw), which grpo.rollout_correction and grpo.off_policy_mask_threshold need: "
-                             "delete it so that its step samples it again, or set grpo.rollout_correction to off "
-                             "and leave grpo.off_policy_mask_threshold unset")
-
-    def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
-        """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
-        mine = {"dp": self.parallel.dp_rank, "sp": self.parallel.rank,
-                "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason,
-                             None if s.routing is None else {str(j): ids.tolist() for j, ids in s.routing.items()}]
-                            for s in samples]}
-        slices = sorted((r for r in self.ranks.gather(mine) if r["sp"] == 0), key=lambda r: r["dp"])
-        fp32 = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
-        # expert ids in the dtype this rank's own samples hold them in (every group records alike)
-        dtypes = {str(j): ids.dtype for j, ids in (samples[0].routing or {}).items()}
-        experts = lambda routed: {int(j): torch.tensor(v, dtype=dtypes[j]) for j, v in routed.items()}  # noqa: E731
-        return [Sample(torch.tensor(t, dtype=torch.long), fp32(lp), fp32(slp), reason,
-                       None if routed is None else experts(routed))
-                for r in slices for t, lp, slp, reason, routed in r["samples"]]
+        return self._rollout.get(artefact, lambda: Answers.stored(self._agree(
+            lambda: read_rollout(self.cfg, artefact))))
 
     def reference(self, reference_version: str, state: dict, rollout: dict, step: int, group: int) -> dict:
         """Log-probs of the sampled answers (`rollout`: an `Artefact`'s JSON) under the frozen initial weights (the
@@ -386,9 +332,10 @@ class Worker:
         prompt = self._load(state).prompt_ids
         responses = self._responses(rollout).responses
         with self._meter() as m:
-            ref_state = capture(model, prompt, cfg.engine, parallel=self.parallel)
-            logps = score(model, ref_state, responses, cfg.engine.branch_batch, parallel=self.parallel)
-        out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds}
+            plan = plan_group(model, cfg.engine, prompt.numel(), parallel=self.parallel, exact=False)
+            ref_state = capture(model, prompt, cfg.engine, plan=plan, parallel=self.parallel)
+            logps = score(model, ref_state, responses, engine=cfg.engine, parallel=self.parallel)
+        out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds, "plan": plan.params()}
         logps = [lp.detach().cpu() for lp in logps]
         stored = None
         if self._leader:
@@ -396,47 +343,48 @@ class Worker:
             stored = Artefact(path, save_tensors(path, {f"logprobs.{i}": lp for i, lp in enumerate(logps)}))
             out |= stored.to_json()
         # resident for the group's replays, as for the rollout; the store is there for a resume
-        stored, (logps,) = self._as_rank0_stored(stored, [logps])
-        self._reference_logps = (stored, logps)
+        stored, (logps,) = as_rank0_stored(self.ranks, stored, [logps])
+        self._reference_logps.keep(stored, logps)
         return out
 
     def _reference_logprobs(self, reference: dict, n: int) -> list[torch.Tensor]:
         """The KL reference's log-probs of the `n` answers (`reference`: an `Artefact`'s JSON): resident if they
         were the last computed or read, else read from the store (after a resume), verified."""
         artefact = Artefact.from_json(reference)
-        if self._reference_logps is None or self._reference_logps[0] != artefact:
-            tensors = self._agree(lambda: load_tensors(artefact.path, artefact.sha256))
-            self._reference_logps = (artefact, [tensors[f"logprobs.{i}"] for i in range(n)])
-        return self._reference_logps[1]
 
-    def replay(self, weights_version: str, state: dict, rollout: dict, rewards: dict, reference: dict | None,
-               step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
+        def read() -> list[torch.Tensor]:
+            tensors = self._agree(lambda: load_tensors(artefact.path, artefact.sha256))
+            return [tensors[f"logprobs.{i}"] for i in range(n)]
+
+        return self._reference_logps.get(artefact, read)
+
+    def replay(self, weights_version: str, state: dict, rollout: dict, advantages: list[float],
+               reference: dict | None, step: int, group: int, epoch: int, branches: list[list[int]]) -> dict:
         """Replay one slice of branches per data-parallel group (`branches[d]` for group d) with autograd on the
-        prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory. `rollout`, `rewards`
-        and `reference` (the KL reference's log-probs, or None) are `Artefact`s' JSON."""
+        prefix state; parameter gradients and (exact mode) dLoss/dState accumulate in memory. `advantages`: the
+        group's, one per answer (the reward or advantages stage's result, sent to every rank with the op);
+        `rollout` and `reference` (the KL reference's log-probs, or None) are `Artefact`s' JSON."""
         cfg = self.cfg
         self._check_version(weights_version)
         if len(branches) != (dp := self.parallel.dp_size):
             raise ValueError(f"replay got {len(branches)} branch slices for {dp} data-parallel groups")
 
         answers = self._responses(rollout)
-        self._check_sampler_logprobs(answers, rollout)
         responses = answers.responses
         ref_logps = None if reference is None else self._reference_logprobs(reference, len(responses))
-        record_file = Artefact.from_json(rewards)
-        record = self._agree(lambda: load_json(record_file.path, record_file.sha256))
         prefix = self._load(state)  # naive mode too: its prompt is the stored one
         group_branches = Branches.group(
-            responses, record["advantages"], cfg.grpo, vocab_size=self.model.config.vocab_size,
+            responses, advantages, cfg.grpo, vocab_size=self.model.config.vocab_size,
             old_logprobs=answers.logprobs if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
             ref_logprobs=ref_logps, sampler_logprobs=answers.sampler_logprobs,
             truncated=[reason == "length" for reason in answers.finish_reasons])
         if cfg.moe_routing_replay:  # the answers' tokens go to the experts the rollout sent them to
-            group_branches = replace(group_branches, routing=self._replayed_routing(answers, rollout, state, prefix))
+            group_branches = replace(group_branches, routing=replayed_routing(self.model, answers, rollout, state, prefix))
         with self._meter() as m:
             mine = self._entropy_weighted(group_branches, prefix, group, epoch).select(branches[self.parallel.dp_rank])
             if cfg.mode == "naive":  # one process: the state's routing is the whole prompt's
-                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo,
+                plan = plan_group(self.model, cfg.engine, prefix.prompt_ids.numel(), exact=False, grad=False)
+                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo, engine=cfg.engine,
                                         prompt_routing=prefix.routing if cfg.moe_routing_replay else None)
             else:
                 dstate = None
@@ -444,25 +392,12 @@ class Worker:
                     if (group, epoch) not in self._dstate:
                         self._dstate[(group, epoch)] = new_dstate(prefix)
                     dstate = self._dstate[(group, epoch)]
-                totals = replay(self.model, prefix, mine, cfg.grpo, dstate, engine=cfg.engine, parallel=self.parallel)
+                plan = plan_group(self.model, cfg.engine, prefix, parallel=self.parallel, exact=dstate is not None)
+                totals = replay(self.model, prefix, mine, cfg.grpo, dstate, engine=cfg.engine, plan=plan,
+                                parallel=self.parallel)
         tokens = sum(responses[i].numel() for s in branches for i in s)
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
-                "tokens_per_s": tokens / max(m.seconds, 1e-9)}
-
-    def _replayed_routing(self, answers: Answers, rollout: dict, state: dict, prefix: PrefixState
-                          ) -> list[dict[int, torch.Tensor]]:
-        """The answers' routing (MoE routing replay), checked against the model; a rollout or a state stored
-        without theirs (by an older longstraw, or a run without the option) cannot be replayed as sampled."""
-        if answers.routing is None:
-            raise ValueError(f"the rollout at {rollout['path']} was stored without its MoE routing, which "
-                             "moe_routing_replay replays: delete it so that its step samples it again, or set "
-                             "moe_routing_replay: false")
-        if prefix.routing is None and prompt_moe_layers(self.model):
-            raise ValueError(f"the prefix state at {state['url']} was captured without its MoE routing, which "
-                             "moe_routing_replay keeps with the state: delete it so that its step captures it again, "
-                             "or set moe_routing_replay: false")
-        return list(check_replay(self.model, Routing(branches=answers.routing), prefix.length,
-                                 answers.responses).branches)
+                "tokens_per_s": tokens / max(m.seconds, 1e-9), "plan": plan.params()}
 
     def _entropy_weighted(self, group_branches: Branches, prefix: PrefixState, group: int, epoch: int) -> Branches:
         """The group's branches with the entropy options' mask and bonus weights (`with_entropy_weights`): the
@@ -471,13 +406,12 @@ class Worker:
         if not cfg.grpo.entropy_needed:
             return group_branches
         if (group, epoch) not in self._entropy:
-            head = cfg.engine.head_chunk
             if cfg.mode == "naive":
-                scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches, head,  # noqa: E731
-                                                 prefix.routing)
+                scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches,  # noqa: E731
+                                                 engine=cfg.engine, prompt_routing=prefix.routing)
             else:
-                scored = lambda: group_entropies(self.model, prefix, group_branches,  # noqa: E731
-                                                 cfg.engine.branch_batch, parallel=self.parallel, head_chunk=head)
+                scored = lambda: group_entropies(self.model, prefix, group_branches, engine=cfg.engine,  # noqa: E731
+                                                 parallel=self.parallel)
             weighted = with_entropy_weights(group_branches, cfg.grpo, scored)
             self._entropy[(group, epoch)] = (weighted.entropy_keep, weighted.bonus_weights)
         keep, bonus = self._entropy[(group, epoch)]
@@ -493,15 +427,15 @@ class Worker:
                              "started: run the group's replay tasks first")
         prefix = self._load(state)
         with self._meter() as m:
-            prompt_backward(self.model, prefix, grad, parallel=self.parallel, order=self.cfg.engine.prompt_order,
-                            checkpoint_layers=self.cfg.engine.checkpoint_layers)
+            plan = prompt_backward(self.model, prefix, grad, engine=self.cfg.engine, parallel=self.parallel)
         return {"peak_bytes": m.peak_bytes, "seconds": m.seconds,
-                "tokens_per_s": prefix.length / max(m.seconds, 1e-9)}
+                "tokens_per_s": prefix.length / max(m.seconds, 1e-9), "plan": plan.params()}
 
-    def optimizer(self, weights_version: str, update: int, step: int, record: dict) -> dict:
+    def optimizer(self, weights_version: str, update: int, step: int, record: dict | None = None) -> dict:
         """Sum the accumulated gradients over the data-parallel groups (FSDP did while reducing), clip, AdamW
         step; commit a checkpoint at the end of every `checkpoint_every`-th step and of the run's last update.
-        `record` (the step's metrics so far) goes into the checkpoint, so a kill after the commit loses no record."""
+        `record` (the step's metrics so far; rank 0's alone, which writes the checkpoint's trainer record) goes into
+        the checkpoint, so a kill after the commit loses no record."""
         cfg = self.cfg
         self._check_version(weights_version)
         if self._dstate:
@@ -513,14 +447,15 @@ class Worker:
         stats = optimizer_step(self.model, self.optim, cfg.optim, update, cfg.updates)
         self.update += 1
         self.weights_version = next_version(self.weights_version, self.update)
-        self._state = None  # captured with the old weights
+        self._state.clear()  # captured with the old weights
         self._entropy = {}  # of the old weights
         last_of_step = self.update % cfg.epochs == 0
         checkpoint = None
         if (last_of_step and (step + 1) % cfg.pipeline.checkpoint_every == 0) or self.update == cfg.updates:
             path = save_checkpoint(cfg.paths().checkpoint(self.update), self.model, self.optim, update=self.update,
                                    step=step, weights_version=self.weights_version, base=self._lora_base,
-                                   extra={"skipped_update": bool(stats["skipped"]), "record": {**record, **stats}})
+                                   extra={"skipped_update": bool(stats["skipped"]),
+                                          **({} if record is None else {"record": {**record, **stats}})})
             checkpoint = str(path)
         return {"update": self.update, "weights_version": self.weights_version, "checkpoint": checkpoint, **stats,
                 "seconds": time.perf_counter() - t0}
@@ -541,14 +476,10 @@ class Worker:
     def _load(self, ref: dict) -> PrefixState:
         """The prefix state of a capture's result ({url, sha256}): resident if it was the last one used, else this
         rank's shard read from the store (its manifest checked against the digest, every file's crc32c)."""
-        if self._state is not None and self._state[:2] == (ref["url"], ref["sha256"]):
-            return self._state[2]
         rank, ranks = self._sp_rank
-        state = self._agree(lambda: load_state_shard(
+        return self._state.get((ref["url"], ref["sha256"]), lambda: self._agree(lambda: load_state_shard(
             ref["url"], rank, ranks, model=self.model, weights_version=self.weights_version,
-            storage_options=self.cfg.store.storage_options, digest=ref["sha256"]))
-        self._state = (ref["url"], ref["sha256"], state)
-        return state
+            storage_options=self.cfg.store.storage_options, digest=ref["sha256"])))
 
     def _reference_model(self, reference_version: str) -> nn.Module:
         """The KL reference (update 0's weights), loaded once per worker start and never stepped."""

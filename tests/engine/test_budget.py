@@ -9,7 +9,7 @@ import torch
 import longstraw as ls
 from longstraw.engine import budget
 from longstraw.engine.budget import activation_bytes_per_token
-from longstraw.state import PrefixView, Segment
+from longstraw.segment import PrefixView, Segment
 from tests.conftest import GLM, tiny_model
 
 

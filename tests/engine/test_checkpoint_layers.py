@@ -7,9 +7,10 @@ import torch
 
 import longstraw as ls
 from longstraw.engine import activation_bytes_per_token
-from longstraw.engine.budget import _saved_bytes, checkpoints_layers
+from longstraw.engine.budget import _saved_bytes
+from longstraw.engine.policy import plan_group
 from longstraw.engine.chunks import empty_state, run_chunk, store_chunk
-from longstraw.state import PrefixView, Segment
+from longstraw.segment import PrefixView, Segment
 from longstraw.tools.rehearse import LiveBytes
 from tests.conftest import GLM, rel_err, tiny_model, with_adapters
 from tests.engine.test_exact import grad_of, group
@@ -81,12 +82,16 @@ def test_checkpointing_keeps_only_layer_inputs(model_type):
 
 
 def test_auto_follows_free_memory(monkeypatch):
+    """auto: a forward with autograd checkpoints its layers when its whole activations exceed a quarter of the free
+    memory; a prompt chunk (the plan's `checkpoint_layers`) and a branch batch (`checkpoints`) alike."""
     model = tiny_model("qwen3")
     per_token = activation_bytes_per_token(model)
-    monkeypatch.setattr("longstraw.engine.budget.free_bytes", lambda device: 4 * per_token * 1000)
-    assert not checkpoints_layers(model, None, 1000)
-    assert checkpoints_layers(model, None, 1001)
-    assert checkpoints_layers(model, True, 1) and not checkpoints_layers(model, False, 10**9)
+    monkeypatch.setattr("longstraw.engine.policy.free_bytes", lambda device: 4 * per_token * 1000)
+    plan = lambda chunk, setting=None: plan_group(model, ls.EngineConfig(prompt_chunk=chunk,  # noqa: E731
+                                                                        checkpoint_layers=setting), 2001, exact=False)
+    assert not plan(1000).checkpoints(1000) and plan(1000).checkpoints(1001)
+    assert not plan(1000).checkpoint_layers and plan(1001).checkpoint_layers
+    assert plan(1000, True).checkpoints(1) and not plan(1000, False).checkpoints(10**9)
 
 
 def _recompute_peak(tiles: int | None, tokens: int, intermediate: int) -> int:

@@ -147,8 +147,8 @@ def test_score_with_a_chunked_head():
     model = build("qwen3_5_text")
     prompt, responses = group(1)
     state = capture(model, prompt, ls.EngineConfig(prompt_chunk=8))
-    want = score(model, state, responses, 2, head_chunk=10_000)
-    got = score(model, state, responses, 2, head_chunk=3)
+    want = score(model, state, responses, engine=ls.EngineConfig(branch_batch=2, head_chunk=10_000))
+    got = score(model, state, responses, engine=ls.EngineConfig(branch_batch=2, head_chunk=3))
     with torch.no_grad():
         ref = [plain(model, torch.cat([prompt, r[:-1]])[None], r[None], prompt.numel() - 1)[0][0] for r in responses]
     for g, w, r in zip(got, want, ref):

@@ -116,26 +116,26 @@ def test_sparse_boundaries_keep_gradient(every, budget):
 
 
 def test_boundary_interval():
-    from longstraw.engine import EngineConfig, boundary_interval
+    from longstraw.engine.policy import boundary_interval
 
-    auto = EngineConfig()
-    assert boundary_interval(auto, 100, 10, 8000) == 1
-    assert boundary_interval(auto, 100, 10, 7999) == 10
-    assert boundary_interval(auto, 101, 10, 7999) == 11
-    assert boundary_interval(auto, 1026, 154_000_000, 8 * 10**10) == 33
-    assert boundary_interval(EngineConfig(boundary_every=4), 1026, 154_000_000, 8 * 10**10) == 4
+    assert boundary_interval(None, 100, 10, 8000) == 1  # every boundary fits an eighth of the free memory
+    assert boundary_interval(None, 100, 10, 7999) == 10
+    assert boundary_interval(None, 101, 10, 7999) == 11
+    assert boundary_interval(None, 1026, 154_000_000, 8 * 10**10) == 33
+    assert boundary_interval(4, 1026, 154_000_000, 8 * 10**10) == 4
 
 
 def test_kept_chunk_count_follows_budget():
     from longstraw.engine.budget import kept_chunk_count
 
     model = tiny_model()
-    chunks = [(0, 7), (7, 14), (14, 21), (21, 24)]
+    chunks = [7, 7, 7, 3]
     per = activation_bytes_per_token(model)
-    assert kept_chunk_count(model, chunks, 0) == 0
-    assert kept_chunk_count(model, chunks, 3 * per) == 1
-    assert kept_chunk_count(model, chunks, 10 * per) == 2
-    assert kept_chunk_count(model, chunks, 10**12) == 4
+    measured = lambda: activation_bytes_per_token(model)  # noqa: E731
+    assert kept_chunk_count(chunks, 0, lambda: pytest.fail("no budget: nothing to measure")) == 0
+    assert kept_chunk_count(chunks, 3 * per, measured) == 1
+    assert kept_chunk_count(chunks, 10 * per, measured) == 2
+    assert kept_chunk_count(chunks, 10**12, measured) == 4
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])

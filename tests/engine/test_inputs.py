@@ -59,8 +59,6 @@ def test_config_validation():
         ls.GRPOConfig(clip_low=1.5)
     with pytest.raises(ValidationError):
         ls.EngineConfig(prompt_chunk=0)
-    with pytest.raises(ValidationError, match="moved from the loss's settings to the engine's"):
-        ls.GRPOConfig(prompt_chunk=64)  # an engine knob under grpo: names where it went
     with pytest.raises(ValidationError):
         ls.EngineConfig(boundary_every=True)
     with pytest.raises(ValidationError):

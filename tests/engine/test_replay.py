@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longstraw as ls
-from tests.conftest import tiny_model
+from tests.conftest import state_tensors, tiny_model
 
 
 def full_pass_logprobs(model, prompt, response):
@@ -24,7 +24,7 @@ def test_score_equals_full_pass(model_type, prompt_len, chunk, branch_batch):
     state = ls.capture(model, prompt, chunk)
     assert state.length == prompt_len - 1
     assert len(state.chunks) == -(-(prompt_len - 1) // chunk)
-    scores = ls.score(model, state, responses, branch_batch=branch_batch)
+    scores = ls.score(model, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
     for r, s in zip(responses, scores):
         assert s.shape == r.shape
         torch.testing.assert_close(s, full_pass_logprobs(model, prompt, r), atol=1e-5, rtol=0)
@@ -43,14 +43,14 @@ def test_single_token_prompt_has_empty_state():
 def test_replays_leave_state_bitwise_unchanged(model_type):
     model = tiny_model(model_type)
     state = ls.capture(model, torch.randint(0, 97, (30,)), 8)
-    before = state.snapshot()
+    before = state_tensors(state)
     responses = [torch.randint(0, 97, (n,)) for n in (5, 9)]
-    ls.score(model, state, responses, branch_batch=2)
+    ls.score(model, state, responses, engine=ls.EngineConfig(branch_batch=2))
     model.zero_grad()
     ls.grpo_backward(model, state.prompt_ids, responses, [1.0, -1.0], mode="detached")
     ls.score(model, state, responses)
     assert all(not t.requires_grad for layer in state.layers for t in layer.tensors())
-    for a, b in zip(before, state.snapshot()):
+    for a, b in zip(before, state_tensors(state)):
         assert torch.equal(a, b)
 
 

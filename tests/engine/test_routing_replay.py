@@ -21,8 +21,8 @@ from longstraw.engine.routing import Routing, check_replay, joined, prompt_moe_l
 from longstraw.engine.chunks import held_rows, prompt_chunks
 from longstraw.models.common.moe import moe_layers
 from longstraw.parallel import SequenceGroup, SequenceParallel, full_tensor, shard_model
+from longstraw.segment import Segment
 from longstraw.sharded_state import load_state_shard, save_state
-from longstraw.state import Segment
 from tests.conftest import GLM, flat_grad, rel_err
 from tests.parallel.launch import run_ranks
 
@@ -149,7 +149,7 @@ def test_routing_kept_with_the_state_beats_a_moved_bias(order):
     branches = replace(Branches.group(responses, ADV, loss, vocab_size=97), routing=routing.branches)
     dstate = new_dstate(state)
     replay(model, state, branches, loss, dstate, engine=engine)
-    prompt_backward(model, state, dstate, order=order)
+    prompt_backward(model, state, dstate, engine=engine)
     assert rel_err(flat_grad(model), want) <= 1e-10
     # the control: the moved bias re-routes, and the gradient moves with it
     assert rel_err(grad_of(model, "exact", prompt, responses, engine=engine), want) > 1e-3
@@ -306,8 +306,9 @@ def test_entropy_options_and_score_take_the_replayed_routing():
                       engine=ls.EngineConfig(prompt_chunk=CHUNK, branch_batch=2))
     assert rel_err(g_exact, g_naive) <= 1e-10
     state = ls.capture(model, prompt, CHUNK, routing=routing.prompt)
-    forced = ls.score(model, state, responses, 2, routing=routing.branches)
-    free = ls.score(model, state, responses, 2)
+    batched = ls.EngineConfig(branch_batch=2)
+    forced = ls.score(model, state, responses, engine=batched, routing=routing.branches)
+    free = ls.score(model, state, responses, engine=batched)
     checked = check_replay(model, routing, prompt.numel() - 1, responses)
     for i, r in enumerate(responses):  # a full forward of prompt + response, forced to the same routing
         seg = Segment(routing=joined(checked.prompt, checked.branches[i], prompt.numel() - 1, r.numel(), "cpu"))

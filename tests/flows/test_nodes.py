@@ -90,14 +90,18 @@ def test_placement_is_neither_in_cache_keys_nor_resumed(tmp_path):
 
     from flows.cli import _overrides, _resume_config
     from longstraw.config import with_overrides
+    from longstraw.train.config import TrainConfig
+    from tasks.run import Run
     from tasks.stages import _cache_key
     from tests.flows.test_train_flow import config
 
     here = config(tmp_path, pipeline={"nproc": 4})
     there = config(tmp_path, pipeline={"nproc": 4, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "n0:29500"})
     key = _cache_key("capture")
-    assert key(None, {"config": here, "step": 1}) == key(None, {"config": there, "step": 1})
-    assert key(None, {"config": here, "step": 1}) != key(None, {"config": config(tmp_path), "step": 1})
+    run = lambda c: Run.resolve(TrainConfig.model_validate(c))  # noqa: E731
+    assert key(None, {"run": run(here), "step": 1}) == key(None, {"run": run(there), "step": 1})
+    assert key(None, {"run": run(here), "step": 1}) != key(None, {"run": run(config(tmp_path)), "step": 1})
+    assert key(None, {"run": run(here), "step": 1}) != key(None, {"run": run(here), "step": 2})
     (tmp_path / "config.json").write_text(json.dumps(there))
     stored = _resume_config(str(tmp_path))
     assert stored["pipeline"]["nproc"] == 4 and not {"nnodes", "node_rank", "rdzv_endpoint"} & stored["pipeline"].keys()

@@ -2,7 +2,7 @@
 run here on 127.0.0.1; headless Chromium, driven by Selenium, opens the deployment's page in the Prefect UI, starts
 a custom run with `steps` changed in its form, and watches the flow run complete; the MLflow UI then lists the
 run's nested stage runs. Needs Debian's `chromium` and `chromium-driver` (`make test` installs them where apt-get
-is usable); skipped without them. LONGSTRAW_SCREENSHOTS=docs/img rewrites the README's screenshots."""
+is usable); skipped without them. LONGSTRAW_SCREENSHOTS=docs/img rewrites the screenshots of docs/pipeline.md."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from selenium.webdriver.support import expected_conditions as EC  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from flows.ui import free_port, stop_process  # noqa: E402
-from tests.flows.test_serve import ROOT, final_state, registered, serving, wait_for  # noqa: E402
+from tests.flows.test_serve import ROOT, registered, serving  # noqa: E402
 from tests.flows.test_train_flow import config  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -53,8 +53,12 @@ pytestmark = pytest.mark.skipif(
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,1300")  # pages 1400 x 1157: the run form's `steps` and all nested runs in view
-TIME_LIMIT_S = 420  # the whole test; it took 60-110 s on a shared 2-core machine
-WAIT_S = 60  # one page element (the first Prefect UI page load takes ~7 s there)
+# No wall-clock margin a loaded machine can miss: every wait below is for a condition, bounded generously, and the
+# whole test fails only when no step has completed for STALL_S (it takes 60-110 s on a shared 2-core machine, and
+# timed out waiting 60 s for one element during a whole `make test` there).
+STALL_S = 600
+WAIT_S = 300  # one page element (the first Prefect UI page load takes ~7 s on an idle 2-core machine)
+REFRESH_S = 20  # reload a page whose list should show something new by now (its own polling can lag under load)
 RUN_NAME = "custom-run-from-chromium"  # typed into the form: the flow run and its MLflow parent run carry it
 STAGES = {"capture", "rollout", "reward", "replay", "prompt", "optimizer"}  # nested runs each step must have
 
@@ -63,20 +67,52 @@ class TimeLimitExceeded(BaseException):
     """Not an Exception: no `except Exception` on the way (a polling helper, a client's retries) swallows it."""
 
 
-@contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    """TimeLimitExceeded in this (the main) thread after `seconds`, so that a hung page or server fails the test
-    and the context managers inside still clean up."""
-    def expire(signum: int, frame: object) -> None:
-        raise TimeLimitExceeded(f"the browser test ran past its {seconds} s limit")
+class Watchdog:
+    """TimeLimitExceeded in this (the main) thread when no step has completed for `seconds`, so that a hung page
+    or server fails the test (the context managers inside still clean up); each `step` re-arms it."""
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
+    def __init__(self, seconds: int) -> None:
+        self.seconds, self.last = seconds, "the start"
+
+    def step(self, what: str) -> None:
+        self.last = what
+        signal.alarm(self.seconds)
+
+    def expire(self, signum: int, frame: object) -> None:
+        raise TimeLimitExceeded(f"the browser test made no progress for {self.seconds} s after {self.last}")
+
+
+@contextmanager
+def watchdog(seconds: int) -> Iterator[Watchdog]:
+    dog = Watchdog(seconds)
+    previous = signal.signal(signal.SIGALRM, dog.expire)
+    dog.step("the start")
     try:
-        yield
+        yield dog
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def wait_progressing(what: str, fn, progress, stall_s: float, log: Path):
+    """fn()'s first value that is not None, polled each second, for as long as `progress()` (e.g. log sizes, a
+    state) keeps changing within `stall_s`; else fail saying what it waited for, quoting the tail of `log`."""
+    last, since = progress(), time.monotonic()
+    while True:
+        value = fn()
+        if value is not None:
+            return value
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise AssertionError(f"waited for {what}: no progress ({last}) for {stall_s:.0f} s; log:\n"
+                                 f"{log.read_text()[-4000:]}")
+        time.sleep(1.0)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 def _children(pid: int) -> list[int]:
@@ -108,7 +144,7 @@ def longstraw_ui(tmp_path: Path) -> Iterator[tuple[str, str]]:
             assert ui.poll() is None, f"longstraw ui exited with code {ui.returncode}:\n{log.read_text()[-4000:]}"
             return True if "Press Ctrl-C" in log.read_text() else None  # printed once both answer health checks
 
-        wait_for("longstraw ui", up, 180, log)
+        wait_progressing("`longstraw ui` to report both servers up", up, lambda: _size(log), STALL_S, log)
         yield f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{mport}"
     finally:
         servers = _children(ui.pid)  # each in a session of its own, out of reach of a signal to `longstraw ui`
@@ -153,11 +189,27 @@ def click(driver: webdriver.Chrome, xpath: str) -> WebElement:
 
     not_yet = (NoSuchElementException, ElementClickInterceptedException, ElementNotInteractableException,
                StaleElementReferenceException)
-    return WebDriverWait(driver, WAIT_S, ignored_exceptions=not_yet).until(attempt)
+    return WebDriverWait(driver, WAIT_S, ignored_exceptions=not_yet).until(
+        attempt, f"{WAIT_S} s for a clickable {xpath} on {driver.current_url}")
 
 
 def present(driver: webdriver.Chrome, xpath: str) -> WebElement:
-    return WebDriverWait(driver, WAIT_S).until(EC.presence_of_element_located((By.XPATH, xpath)))
+    return WebDriverWait(driver, WAIT_S).until(EC.presence_of_element_located((By.XPATH, xpath)),
+                                               f"{WAIT_S} s for {xpath} on {driver.current_url}")
+
+
+def listed_on_page(driver: webdriver.Chrome, xpath: str, what: str) -> WebElement:
+    """The element at `xpath` on a page that lists it once the server has it, reloading the page every REFRESH_S
+    (its own polling lags on a loaded machine)."""
+    def found(d: webdriver.Chrome) -> WebElement | None:
+        for _ in range(REFRESH_S):
+            if elements := d.find_elements(By.XPATH, xpath):
+                return elements[0]
+            time.sleep(1.0)
+        d.refresh()
+        return None
+
+    return WebDriverWait(driver, WAIT_S).until(found, f"{WAIT_S} s for {what} ({xpath}) on {driver.current_url}")
 
 
 def screenshot(driver: webdriver.Chrome, name: str, tmp_path: Path) -> None:
@@ -167,7 +219,8 @@ def screenshot(driver: webdriver.Chrome, name: str, tmp_path: Path) -> None:
     assert driver.save_screenshot(str(where / name))
 
 
-def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, tmp_path: Path) -> str:
+def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, tmp_path: Path, client,
+                     dog: Watchdog) -> str:
     """What a person does in the Prefect UI: Run -> Custom run, type a run name, double-click the value of
     `steps` in the `config` editor and type another, Submit, then click the new run. Returns the flow run
     page's URL."""
@@ -188,8 +241,20 @@ def start_custom_run(driver: webdriver.Chrome, deployment_url: str, steps: int, 
     driver.execute_script("window.scrollTo(0, 0)")  # the screenshot: run name and `steps` in one view
     screenshot(driver, "prefect-ui-custom-run.png", tmp_path)
     click(driver, "//form//button[@type='submit']")
-    click(driver, f"//a[normalize-space()='{RUN_NAME}']")  # the new run, listed on the deployment's page
-    WebDriverWait(driver, WAIT_S).until(EC.url_contains("/runs/flow-run/"))
+    dog.step("submitting the form")
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    def submitted() -> bool | None:  # the server has the run: the form was taken
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[RUN_NAME])))
+        return True if runs else None
+
+    WebDriverWait(driver, WAIT_S).until(lambda d: submitted(), f"{WAIT_S} s for the API to list run {RUN_NAME}")
+    dog.step("the API listing the submitted run")
+    # the new run, listed on the deployment's page
+    link = listed_on_page(driver, f"//a[normalize-space()='{RUN_NAME}']", "the new run's link")
+    link.click()
+    WebDriverWait(driver, WAIT_S).until(EC.url_contains("/runs/flow-run/"), f"{WAIT_S} s for the run's page")
+    dog.step("opening the run's page")
     return driver.current_url
 
 
@@ -198,7 +263,8 @@ def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_s
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with time_limit(TIME_LIMIT_S), longstraw_ui(tmp_path) as (prefect_url, mlflow_url):
+    with watchdog(STALL_S) as dog, longstraw_ui(tmp_path) as (prefect_url, mlflow_url):
+        dog.step("`longstraw ui` up")
         api = f"{prefect_url}/api"
         cfg = config(tmp_path / "run", steps=1, tracking={"uri": mlflow_url})
         # a daily cron 12 hours away: no scheduled run competes with the clicked one for the run directory
@@ -209,18 +275,33 @@ def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_s
         with serving(cfg_path, api, tmp_path / "prefect-home", log) as serve, \
                 temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client, \
                 chromium() as driver:
-            dep = registered(client, "grpo-train/nightly", serve, log)
+            dep = registered(client, "grpo-train/nightly", serve, log, timeout=WAIT_S)
+            dog.step("the deployment registered")
             assert dep.parameters["config"]["steps"] == 1
-            page = start_custom_run(driver, f"{prefect_url}/deployments/deployment/{dep.id}", 2, tmp_path)
+            page = start_custom_run(driver, f"{prefect_url}/deployments/deployment/{dep.id}", 2, tmp_path, client,
+                                    dog)
             run_id = page.split("/runs/flow-run/")[1].split("?")[0]
-            state = final_state(client, run_id, log)
+
+            def final():
+                state = client.read_flow_run(run_id).state
+                return state if state is not None and state.is_final() else None
+
+            def progress():  # the serve log and the run's files grow while it trains; re-arms the watchdog
+                now = (_size(log), sum(1 for _ in (tmp_path / "run").rglob("*")) if (tmp_path / "run").exists()
+                       else 0, str(client.read_flow_run(run_id).state_name))
+                dog.step(f"the flow run's progress {now}")
+                return now
+
+            state = wait_progressing(f"flow run {run_id} to finish", final, progress, STALL_S, log)
             run = client.read_flow_run(run_id)
             assert state.is_completed(), f"{state}\n{log.read_text()[-4000:]}"
             assert run.deployment_id == dep.id and run.name == RUN_NAME
             assert run.parameters["config"]["steps"] == 2  # the value typed in the form, not the deployment's 1
             # the page follows the run by itself: its state badge turns Completed; the tab lists both steps' subflows
             driver.set_window_size(1400, 1000)  # (the run graph's time axis came out garbled at 1300 in screenshots)
-            present(driver, "//*[contains(@class, 'state-badge') and normalize-space()='Completed']")
+            listed_on_page(driver, "//*[contains(@class, 'state-badge') and normalize-space()='Completed']",
+                   "the run page's Completed badge")
+            dog.step("the Completed badge")
             click(driver, "//*[text()[normalize-space()='Subflow Runs']]")
             for step in (0, 1):
                 present(driver, f"//a[normalize-space()='step-{step}']")
@@ -249,7 +330,9 @@ def test_a_custom_run_started_in_the_prefect_ui_completes_and_mlflow_lists_its_s
             for handle in driver.find_elements(By.CSS_SELECTOR,
                                                "[col-id='attributes.`Run Name`'] .ag-header-cell-resize"):
                 ActionChains(driver).drag_and_drop_by_offset(handle, 260, 0).perform()
-            WebDriverWait(driver, WAIT_S).until(lambda d: len(d.find_elements(By.XPATH, names)) > len(nested))
+            WebDriverWait(driver, WAIT_S).until(lambda d: len(d.find_elements(By.XPATH, names)) > len(nested),
+                                                f"{WAIT_S} s for MLflow to list the {len(nested)} nested runs")
+            dog.step("MLflow listing the nested runs")
             listed = {e.get_attribute("textContent") for e in driver.find_elements(By.XPATH, names)}
             assert listed == nested | {parent.info.run_name}, sorted(listed ^ (nested | {parent.info.run_name}))
             screenshot(driver, "mlflow-ui-runs.png", tmp_path)

@@ -22,9 +22,10 @@ import longstraw as ls
 import longstraw.models.common.mla as mla_module
 import longstraw.ops.sparse_attention as sparse_module
 from longstraw.engine import activation_bytes_per_token
-from longstraw.state import LatentState, PrefixView, Segment
+from longstraw.segment import PrefixView, Segment
+from longstraw.state import LatentState
 from longstraw.tools.state_size import state_size
-from tests.conftest import assert_same_parameters, flat_grad, rel_err
+from tests.conftest import assert_same_parameters, flat_grad, rel_err, state_tensors
 
 HF_TINY = dict(
     vocab_size=101,
@@ -318,7 +319,7 @@ def test_config_variants_match_transformers(tmp_path, group, variant):
         got = ours(ids)
     assert max_abs(got, hf_logits(hf, ids)) <= 1e-4
     prompt, responses = group
-    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, branch_batch=3)
+    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, engine=ls.EngineConfig(branch_batch=3))
     for g, w in zip(got, hf_continuation(hf, prompt, responses)):
         assert max_abs(g, w) <= 1e-4
 
@@ -350,7 +351,7 @@ def test_continuation_logprobs(checkpoints, group, continuations, recorded_selec
     state = ls.capture(ours, prompt, chunk)
     assert state.length == P - 1
     assert state.chunks[-1][1] == P - 1
-    got = ls.score(ours, state, responses, branch_batch=branch_batch)
+    got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
     if name != "dense":
         assert assert_clear_cut(recorded_selections, SPARSE_K) > 0
     want = continuations[name]
@@ -368,7 +369,7 @@ def test_continuation_with_prefix_scored_in_small_blocks(checkpoints, group, con
     _, ours, _ = checkpoints[name]
     prompt, responses = group
     monkeypatch.setattr(sparse_module, "KEY_BLOCK", 5)
-    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, branch_batch=2)
+    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, engine=ls.EngineConfig(branch_batch=2))
     for g, w in zip(got, continuations[name]):
         assert max_abs(g, w) <= 1e-4
 
@@ -412,7 +413,7 @@ def test_all_tied_scores_select_lowest_positions(checkpoints, group, recorded_se
 
     recorded_selections.clear()
     state = ls.capture(ours, prompt, 9)
-    got = ls.score(ours, state, responses, branch_batch=3)
+    got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=3))
     want = hf_continuation(hf_dense, prompt, responses, mask_k=SPARSE_K)
     for g, w in zip(got, want):
         assert max_abs(g, w) <= 1e-4
@@ -636,12 +637,12 @@ def test_state_unchanged_by_score(checkpoints, group):
     _, ours, _ = checkpoints["sparse"]
     prompt, responses = group
     state = ls.capture(ours, prompt, 16)
-    snapshot = state.snapshot()
-    first = ls.score(ours, state, responses, branch_batch=3)
-    again = ls.score(ours, state, responses, branch_batch=1)
+    snapshot = state_tensors(state)
+    first = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=3))
+    again = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=1))
     for a, b in zip(again, first):
         assert max_abs(a, b) <= 1e-5
-    after = state.snapshot()
+    after = state_tensors(state)
     assert len(after) == len(snapshot) == 4 * 2
     assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
 

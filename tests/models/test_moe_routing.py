@@ -10,7 +10,7 @@ import torch
 
 import longstraw as ls
 from longstraw.models.common.moe import TopkRouter, expert_id_dtype, moe_layers
-from longstraw.state import Segment
+from longstraw.segment import Segment
 from tests.conftest import GLM, flat_grad, rel_err
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import longstraw as ls
 from longstraw.state import AttentionState, RecurrentState
-from tests.conftest import assert_same_parameters, rel_err
+from tests.conftest import assert_same_parameters, rel_err, state_tensors
 
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
@@ -200,7 +200,7 @@ def test_continuation_logprobs(hf_and_ours, continuation, chunk, branch_batch):
     state = ls.capture(ours, prompt, chunk)
     assert state.length == P - 1
     assert state.chunks[0] == (0, min(chunk, P - 1)) and state.chunks[-1][1] == P - 1
-    got = ls.score(ours, state, responses, branch_batch=branch_batch)
+    got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
     assert [g.shape for g in got] == [(n,) for n in RESPONSE_LENGTHS]
     for g, w in zip(got, want):
         assert max_abs(g, w) <= 1e-4
@@ -254,13 +254,13 @@ def test_state_unchanged_by_score(hf_and_ours, continuation):
     _, ours, _ = hf_and_ours
     prompt, responses, _, want = continuation
     state = ls.capture(ours, prompt, 64)
-    snapshot = state.snapshot()
+    snapshot = state_tensors(state)
     first = ls.score(ours, state, responses)
     for bb in (3, 2, 1):
-        again = ls.score(ours, state, responses, branch_batch=bb)
+        again = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=bb))
         for a, b in zip(again, first):
             assert max_abs(a, b) <= 1e-5
-    after = state.snapshot()
+    after = state_tensors(state)
     assert len(after) == len(snapshot)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, after))
 

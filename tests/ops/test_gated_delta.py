@@ -19,7 +19,9 @@ import torch.nn.functional as F
 import longstraw as ls
 from longstraw.engine.replay import replay_logprobs
 from longstraw.ops.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from longstraw.state import AttentionState, PrefixView, RecurrentState, Segment
+from longstraw.segment import PrefixView, Segment
+from longstraw.state import AttentionState, RecurrentState
+from tests.conftest import state_tensors
 
 
 def reference_gated_delta(q, k, v, g, beta, initial_state=None):
@@ -278,7 +280,7 @@ def test_model_prefix_state_gradient(fp64_model_and_state, layer):
     assert isinstance(state.layers[1], AttentionState)
     base = state.layers[layer]
     assert base.ssm.dtype == torch.float64 and base.conv.dtype == torch.float64
-    snapshot = state.snapshot()
+    snapshot = state_tensors(state)
 
     def logp_sum(conv, ssm):
         prefix = list(state.layers)
@@ -325,7 +327,7 @@ def test_model_prefix_state_gradient(fp64_model_and_state, layer):
     assert torch.autograd.gradcheck(lambda s: logp_sum(base.conv, s), (ssm,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
     # the state itself was only read
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, state.snapshot()))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, state_tensors(state)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and flash-linear-attention)")

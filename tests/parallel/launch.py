@@ -2,14 +2,21 @@
 
 Each rank returns a dict of tensors, sent back as safetensors bytes. A rank that raises sends its traceback;
 the parent raises it. Every rank destroys its process group and leaves with os._exit, so gloo's teardown at
-interpreter exit cannot turn a passed run into a crash; the parent kills what is left after `timeout` seconds.
+interpreter exit cannot turn a passed run into a crash. The ranks start with OMP_NUM_THREADS=1, so no OpenMP pool
+of another size is made at import (before `set_num_threads(1)`) and left running into the exit.
+
+No fixed wall-clock bound (a loaded 2-core machine runs these many times slower): the parent fails at once when a
+rank dies without reporting, and when no unreported rank has used CPU time for `timeout` seconds (a hang).
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -17,7 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load, save
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# a peer still importing or descheduled on a loaded machine is slow, not hung: the parent's CPU-time check
+# finds real hangs
+COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+POLL_S = 2.0
 
 
 def _free_port() -> int:
@@ -45,18 +55,60 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
         os._exit(code)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0 where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _nothing_pending(queue) -> bool:
+    """True when nothing more arrives on `queue` within a few seconds (a rank's last message may still be in the
+    pipe when its exit is seen)."""
+    time.sleep(5 * POLL_S)
+    return queue.empty()
+
+
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> list[dict[str, torch.Tensor]]:
-    """fn(rank, world, *args) -> dict of tensors on each of `world` ranks; their results in rank order."""
+    """fn(rank, world, *args) -> dict of tensors on each of `world` ranks; their results in rank order.
+    `timeout`: seconds without progress (no CPU time used by a rank that has not reported) before failing."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # what the spawned ranks inherit
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if omp is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     results, errors = {}, {}
     try:
-        for _ in range(world):
-            rank, err, blob = queue.get(timeout=timeout)
+        last_cpu: dict[int, float] = {}
+        last_progress = time.monotonic()
+        while len(results) + len(errors) < world:
+            try:
+                rank, err, blob = queue.get(timeout=POLL_S)
+            except queue_module.Empty:
+                waiting = [r for r in range(world) if r not in results and r not in errors]
+                dead = {r: procs[r].exitcode for r in waiting if procs[r].exitcode is not None}
+                if dead and _nothing_pending(queue):  # (what it sent before exiting is read first)
+                    raise RuntimeError(f"ranks {sorted(dead)} of {world} exited without a result (exit codes "
+                                       f"{dead}; negative: killed by that signal, e.g. -6 an abort in malloc)")
+                cpu = {r: _cpu_seconds(procs[r].pid) for r in waiting}
+                if any(c > last_cpu.get(r, -1.0) for r, c in cpu.items()):
+                    last_cpu, last_progress = cpu, time.monotonic()
+                elif time.monotonic() - last_progress > timeout:
+                    raise TimeoutError(f"ranks {waiting} of {world} used no CPU time for {timeout:.0f} s and sent "
+                                       f"no result (a hang, e.g. a collective one rank never called); "
+                                       f"reported: {sorted(results)}, failed: {sorted(errors)}")
+                continue
             if err is not None:
                 errors[rank] = err
             else:

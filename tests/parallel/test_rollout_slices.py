@@ -1,19 +1,17 @@
 """Rollout split over data-parallel groups under ZeRO-3: each group samples its slice of the branches
 (`first_branch`), and the slices end at different steps. Every decode step's forward gathers each layer's
 parameters from every rank, so the groups must agree on when all branches have stopped; the samples equal one
-process sampling all branches with the unsharded model, and the worker's gather of the slices (`_gather_samples`)
+process sampling all branches with the unsharded model, and the worker's gather of the slices (`gather_samples`)
 puts them, their log-probs and sampler log-probs in branch order on every rank."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 
 import longstraw as ls
 from longstraw.parallel import shard_model
+from longstraw.train.answers import gather_samples
 from longstraw.train.spmd import Ranks
-from longstraw.train.worker import Worker
 from tests.conftest import tiny_model
 from tests.parallel.launch import run_ranks
 from tests.parallel.test_zero import _sp
@@ -35,8 +33,7 @@ def slice_rank(rank: int, world: int, seed: int) -> dict[str, torch.Tensor]:
     shard_model(model, 3, sp)
     state = ls.capture(model, prompt, 16, parallel=sp)
     sample = ls.rollout(model, state, seed=seed, first_branch=sp.dp_rank, parallel=sp, **KW)[0]
-    worker = SimpleNamespace(parallel=sp, ranks=Ranks(sp, None, rank, world))  # what _gather_samples reads
-    gathered = Worker._gather_samples(worker, [sample])
+    gathered = gather_samples(Ranks(sp, None, rank, world), [sample])
     out = {"tokens": sample.tokens, "logprobs": sample.logprobs, "sampler_logprobs": sample.sampler_logprobs}
     for i, s in enumerate(gathered):
         out |= {f"gathered.{i}.tokens": s.tokens, f"gathered.{i}.logprobs": s.logprobs,

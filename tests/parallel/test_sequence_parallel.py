@@ -161,7 +161,7 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
             ls.capture(m, prompt, CHUNK * 2 if rank == 1 else CHUNK, parallel=sp)
         elif case == "different branch batches":
             state = ls.capture(m, prompt, CHUNK, parallel=sp)
-            ls.score(m, state, responses, branch_batch=1 + rank, parallel=sp)
+            ls.score(m, state, responses, engine=ls.EngineConfig(branch_batch=1 + rank), parallel=sp)
         elif case == "state of another group":
             state = ls.capture(m, prompt, CHUNK)
             ls.score(m, state, responses, parallel=sp)

@@ -186,7 +186,7 @@ def test_glm5_fits_32_gpus_with_lora_by_expert_parallelism():
     whole MoE layer (9.7B expert parameters, and the one prefetched) does not fit; each rank keeping its 8 experts
     whole (expert parallelism, the default there) fits, the prompt walked chunk by chunk; layer by layer it fits
     too, holding its checkpoints on top. The flat activation figure stands in for the measured profile (the
-    goal's own numbers: README)."""
+    goal's own numbers: docs/planner.md)."""
     glm = json.loads((REF / "glm5" / "config.json").read_text())
     kw = dict(zero=3, activation_bytes=40_000_000, rope_scaling={"rope_type": "yarn", "factor": 16},
               lora={"r": 16, "target_modules": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]})

@@ -40,8 +40,8 @@ def real_rank(rank: int, world: int, cfg: dict, settings: dict) -> dict[str, tor
         dstate = ls.new_dstate(state)
         branches = ls.engine.Branches.group(responses, [0.5, -0.5, 1.0, -1.0], ls.GRPOConfig(), vocab_size=97)
         ls.replay(model, state, branches, ls.GRPOConfig(), dstate, engine=engine, parallel=group)
-        ls.prompt_backward(model, state, dstate, parallel=group, order="chunks",
-                           checkpoint_layers=engine.checkpoint_layers)
+        ls.prompt_backward(model, state, dstate, engine=engine.model_copy(update={"prompt_order": "chunks"}),
+                           parallel=group)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

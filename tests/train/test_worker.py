@@ -16,7 +16,7 @@ from longstraw.data.tokenizer import load_tokenizer
 from longstraw.files import Artefact, CorruptArtefact
 from longstraw.grpo.rewards import get_reward
 from longstraw.train import inputs
-from longstraw.train.artifacts import load_json, save_json
+from longstraw.train.artifacts import load_json
 from longstraw.train.checkpoint import load_checkpoint, read_trainer
 from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.optim import build_optimizer
@@ -28,19 +28,17 @@ ADV = [1.0, -0.5, 0.7, -1.2]
 
 
 def step_group(cfg) -> tuple[Worker, dict, dict, dict, dict]:
-    """A started worker, its capture and rollout, and a reward record with fixed, non-zero advantages."""
+    """A started worker, its capture and rollout, and fixed, non-zero advantages."""
     w = Worker(cfg)
     init = w.start()
     cap = w.capture(init["weights_version"], step=0, group=0, epoch=0)
     state = {"url": cap["url"], "sha256": cap["sha256"]}
     out = w.rollout(init["weights_version"], state, step=0, group=0)
-    path = cfg.paths().step(0) / "rewards-fixed.json"
-    rew = {"path": str(path), "sha256": save_json(path, {"advantages": ADV})}
-    return w, init, state, {"path": out["path"], "sha256": out["sha256"]}, rew
+    return w, init, state, {"path": out["path"], "sha256": out["sha256"]}, list(ADV)
 
 
-def replay(w: Worker, state, roll, rew, slices, epoch=0) -> list[dict]:
-    return [w.replay(w.weights_version, state, roll, rew, None, 0, 0, epoch, [b]) for b in slices]
+def replay(w: Worker, state, roll, advantages, slices, epoch=0) -> list[dict]:
+    return [w.replay(w.weights_version, state, roll, advantages, None, 0, 0, epoch, [b]) for b in slices]
 
 
 def reference_grad(cfg, init, roll, mode, old=None) -> torch.Tensor:
@@ -231,11 +229,21 @@ def test_second_epoch_replays_against_the_rollout_logprobs(tmp_path):
 
 def test_ops_are_run_from_the_table_by_name(tmp_path):
     """The driver sends an op by its name in `Worker.OPS` and every rank runs that entry: a name outside the table
-    is refused before anything is sent, and the entry (not an attribute looked up by the name) is what runs."""
-    from longstraw.train.spmd import Driver
+    is refused before anything is sent, and the entry (not an attribute looked up by the name) is what runs. The
+    `leader` arguments reach rank 0's op alone: they are not in the command sent to the other ranks."""
+    from longstraw.train.spmd import Driver, OneProcess
+
+    class Sending(OneProcess):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent: list = []
+
+        def broadcast(self, value):
+            self.sent.append(value)
+            return value
 
     assert Worker.OPS["capture"] is Worker.__dict__["capture"]
-    w = Worker(make_cfg(tmp_path))
+    w = Worker(make_cfg(tmp_path), Sending())
     driver = Driver(w)
     with pytest.raises(ValueError, match="unknown op '_load'"):
         driver.call("_load", ref={})
@@ -246,6 +254,9 @@ def test_ops_are_run_from_the_table_by_name(tmp_path):
     w.OPS = table  # this worker's table only
     assert driver.call("capture", weights_version=w.weights_version, step=0, group=0, epoch=0)["seen"]
     assert ran == [{"weights_version": w.weights_version, "step": 0, "group": 0, "epoch": 0}]
+    assert driver.call("capture", leader={"record": {"loss": 1.0}}, step=1)["seen"]
+    assert ran[-1] == {"step": 1, "record": {"loss": 1.0}}
+    assert w.ranks.sent[-1] == {"op": "capture", "params": {"step": 1}}
 
 
 def test_resident_rollout_and_reference_equal_the_stored_ones(tmp_path):
@@ -259,8 +270,8 @@ def test_resident_rollout_and_reference_equal_the_stored_ones(tmp_path):
     for worker in (w, fresh := Worker(cfg)):
         if worker is fresh:
             fresh.start()
-            assert fresh._rollout is None and fresh._reference_logps is None  # nothing resident: it reads them
-        worker.replay(worker.weights_version, state, roll, rew, ref, 0, 0, 0, [[0, 1, 2, 3]])
+            assert fresh._rollout.value is None and fresh._reference_logps.value is None  # nothing resident: it reads them
+        worker.replay(worker.weights_version, state, roll, rew, ref, 0, 0, 0, [[0, 1, 2, 3]])  # rew: advantages
         worker.prompt(worker.weights_version, state, 0, 0, 0)
     assert fresh._reference is None  # the reference model was never needed to replay
     assert flat_grad(w.model).norm() > 0

@@ -23,6 +23,7 @@ from longstraw.store import manifest_digest, save_rollout
 from longstraw.train import inputs
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import prompt_ids, step_example
+from longstraw.train.answers import gather_samples, sampled_answers
 from longstraw.train.spmd import Ranks
 from longstraw.train.worker import Worker
 from tests.conftest import GLM, flat_grad, rel_err
@@ -56,7 +57,7 @@ def test_replay_and_prompt_ops_route_as_the_rollout_did(tmp_path, mode):
     cfg = glm_cfg(tmp_path, mode=mode)
     w, init, state, roll, rew = step_group(cfg)
     stored = inputs.read_rollout(cfg, Artefact.from_json(roll))
-    resident = w._rollout[1]
+    resident = w._rollout.value
     for kept, read, tokens in zip(resident.routing, stored.routing, stored.responses, strict=True):
         assert sorted(read) == [1, 2, 3] and all(ids.shape == (tokens.numel(), 2) for ids in read.values())
         assert all(kept[j].dtype == read[j].dtype == torch.uint8 and torch.equal(kept[j], read[j]) for j in read)
@@ -86,7 +87,7 @@ def test_replay_and_prompt_ops_route_as_the_rollout_did(tmp_path, mode):
         perturb_routers(fresh.model, "bias", 0.5)
         replay(fresh, state, roll, rew, ([0, 1, 2, 3],))
         fresh.prompt(fresh.weights_version, state, 0, 0, 0)
-        assert fresh._rollout[1].routing is not None
+        assert fresh._rollout.value.routing is not None
         assert torch.equal(flat_grad(fresh.model), got)
 
 
@@ -165,18 +166,14 @@ def test_a_model_without_experts_is_refused_at_preflight(tmp_path):
 
 def gather_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     """Two data-parallel groups of one rank each: each sampled one answer (its routing made up here, distinct
-    per rank); `_gather_samples` and `_keep_rollout` hand every rank both, in branch order, rank 0's values."""
-    ranks = Ranks(ls.SequenceGroup(), None, rank, world)
+    per rank); `gather_samples` and `sampled_answers` hand every rank both, in branch order, rank 0's values."""
+    ranks = Ranks(SimpleNamespace(dp_rank=rank, rank=0), None, rank, world)
     g = torch.Generator().manual_seed(rank)
     n = 2 + rank
     sample = Sample(torch.arange(n) + 10 * rank, torch.randn(n, generator=g), torch.randn(n, generator=g), "length",
                     {j: (torch.arange(n * 2).reshape(n, 2) + 100 * rank + j).to(torch.uint8) for j in (1, 3)})
-    worker = SimpleNamespace(parallel=SimpleNamespace(dp_rank=rank, rank=0), ranks=ranks, _leader=rank == 0,
-                             cfg=SimpleNamespace(moe_routing_replay=True))
-    worker._as_rank0_stored = lambda *a: Worker._as_rank0_stored(worker, *a)
-    gathered = Worker._gather_samples(worker, [sample])
-    Worker._keep_rollout(worker, Artefact("x", "0" * 64) if rank == 0 else None, gathered)
-    answers = worker._rollout[1]
+    gathered = gather_samples(ranks, [sample])
+    _, answers = sampled_answers(ranks, Artefact("x", "0" * 64) if rank == 0 else None, gathered, with_routing=True)
     return {f"{how}.{i}.{j}": ids for how, routings in (("gathered", [s.routing for s in gathered]),
                                                        ("kept", answers.routing))
             for i, r in enumerate(routings) for j, ids in r.items()}

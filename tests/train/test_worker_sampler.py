@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import longstraw.train.worker as worker_module
+from longstraw.engine import Branches
 from longstraw.files import Artefact
 from longstraw.store import save_rollout
 from longstraw.train import inputs
@@ -46,7 +47,7 @@ def test_sampler_logprobs_are_resident_stored_and_handed_to_the_loss(tmp_path, g
     w, _, state, roll, rew = step_group(cfg)
     stored = inputs.read_rollout(cfg, Artefact.from_json(roll))
     assert stored.sampler_logprobs is not None and len(stored.sampler_logprobs) == 4
-    resident = w._rollout[1]
+    resident = w._rollout.value
     for kept, read, tokens, logps in zip(resident.sampler_logprobs, stored.sampler_logprobs, stored.responses,
                                          stored.logprobs, strict=True):
         assert torch.equal(kept, read) and read.shape == tokens.shape and read.dtype == torch.float32
@@ -65,7 +66,7 @@ def test_sampler_logprobs_are_resident_stored_and_handed_to_the_loss(tmp_path, g
 
 
 @pytest.mark.parametrize("grpo", [{"rollout_correction": "token_truncate"}, {"off_policy_mask_threshold": 0.5}])
-def test_a_rollout_stored_without_them_fails_a_loss_that_needs_them(tmp_path, grpo, group_calls):
+def test_a_rollout_stored_without_them_fails_a_loss_that_needs_them(tmp_path, grpo, group_calls, monkeypatch):
     cfg = make_cfg(tmp_path, grpo=grpo)
     _, _, state, roll, rew = step_group(cfg)
     old = inputs.read_rollout(cfg, Artefact.from_json(roll))
@@ -74,8 +75,10 @@ def test_a_rollout_stored_without_them_fails_a_loss_that_needs_them(tmp_path, gr
         save_rollout(roll["path"], old.responses, old.logprobs, old.meta))}
     fresh = Worker(cfg)
     fresh.start()
-    with pytest.raises(ValueError, match=r"rollout at .* was stored without the sampler's log-probs .* delete it "
-                                         r"so that its step samples it again, or set grpo.rollout_correction to off"):
+    with monkeypatch.context() as real, pytest.raises(ValueError, match=r"needs sampler_logprobs .* a rollout stored by an older longstraw has "
+                                         r"none: delete it so that its step samples it again\); pass them, or set "
+                                         r"rollout_correction: off"):
+        real.setattr(worker_module, "Branches", Branches)  # the group's own check (engine/branches.py)
         fresh.replay(fresh.weights_version, state, roll, rew, None, 0, 0, 0, [[0, 1, 2, 3]])
     assert not group_calls
 

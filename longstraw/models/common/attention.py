@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...state import AttentionState, QueryTile, Segment
+from ...segment import QueryTile, Segment, attend
+from ...state import AttentionState
 from .mixer import TokenMixer
 from .rope import apply_rotary
 
@@ -71,7 +72,7 @@ class Attention(TokenMixer):
         q, gate = self._queries(x, rope)
         kv = self._kv(x, rope)
         seg.emit(self.layer_idx, kv)
-        out = seg.attend(self.layer_idx, q, seg.own_rows(self.layer_idx, kv), self.scale, _heads)
+        out = attend(seg, self.layer_idx, q, seg.own_rows(self.layer_idx, kv), self.scale, _heads)
         return self._output(out, gate)
 
     def tile_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], own: AttentionState,
@@ -79,7 +80,7 @@ class Attention(TokenMixer):
         """The output for a tile of the segment's tokens (x [B, t, hidden] and its rotary): `own` the tile's keys
         and values, the keys before it in `tile`; emits nothing (models/common/recompute.py)."""
         q, gate = self._queries(x, rope)
-        return self._output(seg.attend(self.layer_idx, q, own, self.scale, _heads, tile), gate)
+        return self._output(attend(seg, self.layer_idx, q, own, self.scale, _heads, tile), gate)
 
     def _queries(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, H, T, d] after norm and rotary, and the output gate [B, T, H, d] (gated attention) or None."""

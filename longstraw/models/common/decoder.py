@@ -9,7 +9,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from ...state import LayerState, Segment
+from ...segment import Segment
+from ...state import LayerState
 from .head import chunked_logprobs, default_head_chunk
 from .mixer import TokenMixer
 from .moe import MoE

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...state import RecurrentState, Segment
+from ...segment import Segment, conv_tail, delta_rule
+from ...state import RecurrentState
 from .mixer import TokenMixer
 from .norm import GatedRMSNorm
 
@@ -49,7 +50,7 @@ class GatedDeltaNet(TokenMixer):
     def _recurrence(self, x: torch.Tensor, seg: Segment):
         b, t, _ = x.shape
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, T]
-        tail, final_tail = seg.conv_tail(self.layer_idx, mixed, self.kernel - 1)
+        tail, final_tail = conv_tail(seg, self.layer_idx, mixed, self.kernel - 1)
         padded = torch.cat([tail, mixed], dim=-1)
         conv = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
         kd = self.k_heads * self.k_dim
@@ -60,7 +61,7 @@ class GatedDeltaNet(TokenMixer):
         beta = torch.sigmoid(self.in_proj_b(x))
         acc = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(acc).exp() * F.softplus(self.in_proj_a(x).to(acc) + self.dt_bias)
-        o, ssm = seg.delta_rule(self.layer_idx, q, k, v, g, beta)
+        o, ssm = delta_rule(seg, self.layer_idx, q, k, v, g, beta)
         return o, RecurrentState(final_tail, ssm)
 
     def emit_state(self, x: torch.Tensor, rope, seg: Segment) -> None:

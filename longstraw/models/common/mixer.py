@@ -7,15 +7,16 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from ...state import LayerState, Segment
+from ...segment import Segment
+from ...state import LayerState
 
 
 class TokenMixer(nn.Module, ABC):
     """Mixes tokens over the prefix state and the segment. `layer_idx` keys its entry in a `Segment`.
 
-    A mixer reaches other tokens only through its segment (`attend`, `conv_tail`, `delta_rule`, `select_topk`,
-    `attend_sparse`), so the ranks of a group can each run only their block of a prompt chunk through it (the
-    split schedule, parallel/sequence.py)."""
+    A mixer reaches other tokens only through its segment, by the primitives of `longstraw.segment` (`attend`,
+    `conv_tail`, `delta_rule`, `select_topk`, `attend_sparse`, one module each), so the ranks of a group can each
+    run only their block of a prompt chunk through it (the split schedule, parallel/sequence.py)."""
 
     layer_idx: int
     reads_other_layers: bool = False  # a DSA layer that reuses an earlier layer's selection (in its segment)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.fp32_matmul import HALF_DTYPES, matmul_fp32
-from ...state import LatentState, Segment
+from ...segment import Segment, attend, attend_sparse, select_topk
+from ...state import LatentState
 from .mixer import TokenMixer
 from .norm import RMSNorm
 from .rope import apply_rotary_interleaved
@@ -146,8 +147,8 @@ class MLAttention(TokenMixer):
         sel = None
         if self.index_topk < seg.visible_positions(own.tokens):
             with torch.no_grad():
-                sel = seg.select_topk(self.layer_idx, self.index_topk, self.indexer.queries(x, q_resid, rope),
-                                      self.indexer.scores, _index_keys, own)
+                sel = select_topk(seg, self.layer_idx, self.index_topk, self.indexer.queries(x, q_resid, rope),
+                                  self.indexer.scores, _index_keys, own)
         seg.dsa_topk = sel if self.passes_selection_on else None
         return sel
 
@@ -166,9 +167,9 @@ class MLAttention(TokenMixer):
         own = seg.own_rows(self.layer_idx, new)
         sel = self._select(x, q_resid, rope, own, seg)
         if sel is None:  # dense: one shared head whose values are the keys; keep the c_kv part of the output
-            o = seg.attend(self.layer_idx, qa.transpose(1, 2), own, self.scale, _latent_heads)
+            o = attend(seg, self.layer_idx, qa.transpose(1, 2), own, self.scale, _latent_heads)
             o = o.transpose(1, 2)[..., : self.rank]
         else:
-            o = seg.attend_sparse(self.layer_idx, qa, own, sel, self.scale, self.rank, _latent_rows)
+            o = attend_sparse(seg, self.layer_idx, qa, own, sel, self.scale, self.rank, _latent_rows)
         out = torch.einsum("bthc,hvc->bthv", o, w_uv)
         return self.o_proj(out.reshape(b, t, -1))

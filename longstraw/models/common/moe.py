@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.experts import FusedExperts
 from .mlp import SwiGLU
 
 if TYPE_CHECKING:
-    from ...state import Segment
+    from ...segment import Segment
 
 
 class TopkRouter(nn.Module):
@@ -64,7 +65,7 @@ def grouped_mm_takes(device_type: str, dtype: torch.dtype, compiling: bool) -> b
     return dtype == torch.bfloat16
 
 
-class Experts(nn.Module):
+class Experts(FusedExperts):
     """Experts fused as transformers stores them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 
     Expert-parallel (`ep`, set by longstraw/parallel/experts.py under ZeRO-2/3): the parameters are this rank's
@@ -143,7 +144,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, seg: Segment | None = None, layer: int | None = None) -> torch.Tensor:
         """x [B, T, hidden]; with `seg`, the tokens go to the experts `seg.route(layer, ...)` gives (replayed or
-        recorded routing, state/segment.py)."""
+        recorded routing, segment/core.py)."""
         flat = x.reshape(-1, x.shape[-1])
         stored = expert_id_dtype(self.gate.experts)  # what a recording keeps: GLM-5's ids in uint8
         route = None if seg is None else \

@@ -26,7 +26,8 @@ from typing import TypeVar
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from ...state import AttentionState, QueryTile, Segment
+from ...segment import QueryTile, Segment
+from ...state import AttentionState
 
 Out = TypeVar("Out")
 

@@ -2,5 +2,8 @@
 
 from .config import MODEL_TYPES, DenseConfig
 from .model import DenseForCausalLM
+from .planner import DensePlanner
 
-__all__ = ["MODEL_TYPES", "DenseConfig", "DenseForCausalLM"]
+PLANNER = DensePlanner()
+
+__all__ = ["MODEL_TYPES", "PLANNER", "DenseConfig", "DenseForCausalLM"]

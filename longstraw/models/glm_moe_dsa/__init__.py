@@ -2,7 +2,9 @@
 
 from .config import GlmMoeDsaConfig
 from .model import GlmMoeDsaForCausalLM
+from .planner import GlmMoeDsaPlanner
 
 MODEL_TYPES = ("glm_moe_dsa",)
+PLANNER = GlmMoeDsaPlanner()
 
-__all__ = ["MODEL_TYPES", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"]
+__all__ = ["MODEL_TYPES", "PLANNER", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"]

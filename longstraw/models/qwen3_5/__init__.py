@@ -2,5 +2,8 @@
 
 from .config import MODEL_TYPES, Qwen35Config
 from .model import Qwen35ForCausalLM
+from .planner import Qwen35Planner
 
-__all__ = ["MODEL_TYPES", "Qwen35Config", "Qwen35ForCausalLM"]
+PLANNER = Qwen35Planner()
+
+__all__ = ["MODEL_TYPES", "PLANNER", "Qwen35Config", "Qwen35ForCausalLM"]

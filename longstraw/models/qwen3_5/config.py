@@ -12,6 +12,11 @@ LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_he
                "linear_num_value_heads")
 
 
+def text_config(cfg: dict) -> dict:
+    """The text model's config dict (a copy): a multimodal `qwen3_5` config's `text_config`, else `cfg`."""
+    return dict(cfg.get("text_config") or cfg) if cfg["model_type"] == "qwen3_5" else dict(cfg)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Qwen35Config(ModelConfig):
     model_type: str = "qwen3_5_text"
@@ -30,7 +35,7 @@ class Qwen35Config(ModelConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen35Config":
-        text = dict(cfg.get("text_config") or cfg) if cfg["model_type"] == "qwen3_5" else dict(cfg)
+        text = text_config(cfg)
         common = cls.common(text, "qwen3_5", LINEAR_KEYS)
         n = text["num_hidden_layers"]
         interval = text.get("full_attention_interval", 4)

@@ -1,29 +1,25 @@
 """The context of one forward over a segment of tokens: where it starts, the prefix it reads, what it emits.
 
 A prompt chunk (capture, exact-mode recompute) and a batch of replayed branches read a `PrefixView`; a decode
-step also writes its new tokens into a `DecodeCache`.
+step also writes its new tokens into a `DecodeCache`; a prompt chunk that the ranks of a group compute together
+carries a `ChunkSplit`.
 
-A mixer asks its segment to attend (`own_rows`, then `attend`, or for DSA `select_topk` and `attend_sparse`)
-without knowing whether the keys are the segment's own, a decode cache, or a prefix sharded over ranks: the
-segment knows its prefix rows, their dState sink (exact mode), its cache and the group.
+`Segment` is data and plain accessors only: which prefix rows a layer sees (`prefix_rows`, `visible_prefix`),
+their dState sink in exact mode (`prefix_grad`), the fixed-size state a layer starts from (`initial_state`), the
+rows of its own (`own_rows`), the group and the split. Each mixing primitive is a function of a segment in its own
+module beside this one (`attention`, `sparse_attention`, `delta_rule`, `convolution`), which picks the op for the
+case (own tokens, decode step, split chunk or spread branches); a new primitive is a new module of that kind, with
+no change here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..ops import sparse_attention
-from ..ops.attention import decode_attention, segment_attention
-from ..ops.gated_delta import gated_delta_rule, split_gated_delta_rule
-from ..ops.sparse_attention import select_topk_global, sparse_latent_attention
-from ..ops.split_attention import split_chunk_attention
-from ..ops.split_sparse_attention import SplitLayout, split_select_topk, split_sparse_attention
 from ..parallel.sequence import ONE_RANK, SequenceGroup
-from .prefix import RowMap
-from .protocol import LayerState, TokenState
+from ..state import LayerState, RowMap, TokenState
 
 Tensor = torch.Tensor
 
@@ -213,6 +209,11 @@ class Segment:
             return None
         return self._visible(self.prefix.layers[layer])
 
+    def visible_prefix(self, layer: int) -> LayerState:
+        """The visible rows of a per-token layer's prefix state held here, maybe none of them (the split ops take
+        every rank's rows, an empty block included); the segment must have a prefix."""
+        return self._visible(self.prefix.layers[layer])
+
     def prefix_grad(self, layer: int) -> LayerState | None:
         """The dState sink for those rows (exact mode), else None."""
         p = self.prefix
@@ -224,147 +225,13 @@ class Segment:
         """The fixed-size state a layer starts from (None: from zeros, at the sequence start)."""
         return None if self.prefix is None else self.prefix.layers[layer]
 
-    # ---- attention: what a mixer asks of its segment ----------------------------------------------------------
+    # ---- what a mixing primitive reads ----------------------------------------------------------------------
     def own_rows(self, layer: int, new: TokenState) -> TokenState:
         """The rows of its own that the segment's queries attend to, given what the layer computed for the
         segment's tokens (`new`, batch dim first): `new` itself, or when decoding, the branch's tokens so far with
         `new` written after them (static decode: the whole buffer, of which `cache.visible` rows count)."""
         return new if self.cache is None else self.cache.extend(layer, new)
 
-    def attend(self, layer: int, q: Tensor, own: TokenState, scale: float,
-               heads: Callable[[TokenState], tuple[Tensor, Tensor]], tile: QueryTile | None = None) -> Tensor:
-        """Softmax attention of q [B, H, T, d] over the layer's visible prefix and `own` (from `own_rows`):
-        causal over a segment's own tokens, or a decode step over its branch so far; merged over the group when
-        the prefix is sharded; in exact mode the backward adds dLoss/dPrefix into the prefix's sink.
-
-        `heads(state)` are the (keys, values) of a layer state's rows: [Hkv, N, d] for the prefix, [B, Hkv, L, d]
-        for `own` (k and v may be one tensor: absorbed MLA's shared latent head). With `tile`, q are a tile of the
-        segment's queries, `own` their own rows, and the keys before them come with the tile."""
-        k, v = heads(own)
-        lead, lead_grad = (None, None) if tile is None else (tile.lead, tile.lead_grad)
-        if self.across_ranks:
-            group = self.parallel
-            sink = self.prefix_grad(layer)
-            block = None
-            if tile is not None:  # the earlier blocks' keys come with their ranks' attention of these queries
-                sizes, earlier = tile.sizes, None
-                if self.split is not None:
-                    block = (*tile.block, tile.block_grad, self.split.later)
-            elif self.split is not None:
-                sizes, earlier = self.split.sizes, self.split.earlier
-            else:
-                sizes, earlier = [q.shape[2]] * group.size, None
-            return split_chunk_attention(q, k, v, scale, heads(self._visible(self.prefix.layers[layer])),
-                                         None if sink is None else heads(sink), sizes, earlier, group, lead=lead,
-                                         lead_grad=lead_grad, block=block)
-        rows = self.prefix_rows(layer)
-        prefix = None if rows is None else heads(rows)
-        if self.cache is not None:
-            return decode_attention(q, k, v, scale, prefix, parallel=self.parallel, own_visible=self.cache.visible)
-        sink = self.prefix_grad(layer)
-        return segment_attention(q, k, v, scale, prefix, None if sink is None else heads(sink),
-                                 parallel=self.parallel, lead=lead, lead_grad=lead_grad)
-
-    def conv_tail(self, layer: int, inputs: Tensor, width: int) -> tuple[Tensor, Tensor]:
-        """A causal convolution's context: the last `width` inputs before the segment and those at its end, given
-        the segment's inputs [B, dim, T] and the layer's fixed-size state (`.conv` [dim, width]; zeros at the
-        sequence start). On a split chunk, the blocks before this rank's supply the first (a halo) and the
-        chunk's last blocks the second, the same on every rank."""
-        init = self.initial_state(layer)
-        b, dim, _ = inputs.shape
-        start = inputs.new_zeros(b, dim, width) if init is None else init.conv.to(inputs.dtype).expand(b, -1, -1)
-        if self.split is None:
-            return start, torch.cat([start, inputs], dim=-1)[..., -width:]
-        mine = torch.cat([inputs.new_zeros(b, dim, width), inputs], dim=-1)[..., -width:]
-        group, sizes = self.split.group, self.split.sizes
-        tails = group.gather_blocks(mine, [b] * group.size, dim=0, autograd=True)
-        ordered = [tails[r][..., width - min(width, sizes[r]):] for r in self.split.order]
-        before = [tails[r][..., width - min(width, sizes[r]):] for r in self.split.earlier]
-        return (torch.cat([start, *before], dim=-1)[..., -width:], torch.cat([start, *ordered], dim=-1)[..., -width:])
-
-    def delta_rule(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-        """The gated delta rule over the segment from the layer's fixed-size state (`.ssm`; zeros at the sequence
-        start): (o, final state), see ops/gated_delta.py. On a split chunk the ranks compose their blocks."""
-        init = self.initial_state(layer)
-        ssm0 = None if init is None else init.ssm.expand(q.shape[0], -1, -1, -1)
-        if self.split is None:
-            return gated_delta_rule(q, k, v, g, beta, ssm0)
-        return split_gated_delta_rule(q, k, v, g, beta, ssm0, self.split.group, self.split.order)
-
-    def select_topk(self, layer: int, k: int, queries: tuple[Tensor, ...],
-                    score: Callable[[tuple[Tensor, ...], Tensor], Tensor], keys: Callable[[TokenState], Tensor],
-                    own: TokenState):
-        """DSA: the top-k positions per query (ties: the lower position) over the whole visible prefix (every
-        rank's rows, when sharded) and the own rows: (positions [B, T, k'] ascending, valid [B, T, k']), the same
-        on every rank; see `ops.sparse_attention.select_topk`. On a split chunk or spread branches: a
-        `SplitSelection` of every rank's queries over the rows this rank holds, for `attend_sparse`.
-
-        `queries` are the indexer's queries ([B, T, ...] each), `score(queries, keys)` their scores [B, T, L]
-        over key rows [L, D] (the prefix streams through in blocks of `sparse_attention.key_block`, one block's
-        scores alive at a time) or [B, L, D]; `keys(state)` a state's index key rows; `own` the rows from `own_rows`. The segment
-        masks the own rows each query may not see."""
-        rows = self.prefix_rows(layer)
-        if self.across_ranks:
-            own_keys = keys(own)
-            lay = self._split_layout(own.tokens, own_keys.device)
-            kb = sparse_attention.key_block(queries[0], lay.group.size)
-            return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k, lay, kb)
-        kb = sparse_attention.key_block(queries[0])
-        count = 0 if rows is None else rows.tokens
-        own_scores = score(queries, keys(own))
-        device = own_scores.device
-        positions = self._row_positions(device)
-        # Looping over block numbers, not over range(0, count, kb), lets torch.compile keep `count` symbolic: its
-        # guard is on the number of blocks
-        blocks = ((torch.arange(b * kb, min((b + 1) * kb, count), device=device) if positions is None
-                   else positions[b * kb : (b + 1) * kb],
-                   score(queries, keys(rows.map(lambda t: t[..., b * kb : (b + 1) * kb, :]))))
-                  for b in range(-(-count // kb)))
-        first = self.prefix_length
-        mine = (torch.arange(first, first + own_scores.shape[-1], device=device), self._mask_own(own_scores))
-        return select_topk_global(blocks, mine, k, self.parallel)
-
     def visible_positions(self, own_tokens: int) -> int:
         """The most positions a query of the segment sees (on any rank), given its own rows' count."""
         return self.prefix_length + (sum(self.split.sizes) if self.split is not None else own_tokens)
-
-    def _split_layout(self, own_tokens: int, device: torch.device) -> SplitLayout:
-        """Who holds which rows and queries, on a split chunk or spread branches."""
-        group = self.parallel
-        if self.split is not None:
-            sizes, starts = self.split.sizes, [a for a, _ in self.split.blocks]
-        else:
-            sizes, starts = [own_tokens] * group.size, [self.start] * group.size
-        return SplitLayout(sizes, starts, self.start, self.prefix_length, self.prefix.row_positions(device),
-                           self.spread, group)
-
-    def _row_positions(self, device: torch.device) -> Tensor | None:
-        """The positions of the held prefix rows when they are not simply 0.. (a sharded prefix), else None."""
-        p = self.prefix
-        return None if p is None or p.rows is None or p.rows.blocks[0][0] == 0 and len(p.rows.blocks) == 1 \
-            else p.row_positions(device)
-
-    def _mask_own(self, s: Tensor) -> Tensor:
-        """-inf where a query may not see an own row: after it (a segment's own tokens), or not yet written (the
-        static decode's buffer); a dynamic decode step sees all of its branch so far."""
-        if self.cache is None:
-            return s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        if (visible := self.cache.visible) is not None:
-            return s.masked_fill(torch.arange(s.shape[-1], device=s.device) >= visible, float("-inf"))
-        return s
-
-    def attend_sparse(self, layer: int, q: Tensor, own: TokenState, selected, scale: float, vdim: int,
-                      rows: Callable[[TokenState], Tensor]) -> Tensor:
-        """DSA: softmax attention of q [B, T, H, D] over the `selected` rows (from `select_topk`) of the layer's
-        prefix and `own` (from `own_rows`), one shared key/value row set for all heads (absorbed MLA: the
-        values are the first `vdim` features of the keys). `rows(state)` are a state's key rows: [N, D] for the
-        prefix, [B, L, D] for `own`. Returns [B, T, H, vdim]; in exact mode the backward adds into the sink."""
-        pre, sink = self.prefix_rows(layer), self.prefix_grad(layer)
-        if self.across_ranks:
-            lay = self._split_layout(own.tokens, q.device)
-            return split_sparse_attention(q, rows(own), None if pre is None else rows(pre), selected, scale, vdim,
-                                          None if sink is None else rows(sink), lay)
-        return sparse_latent_attention(
-            q, rows(own), None if pre is None else rows(pre), *selected, scale, vdim,
-            None if sink is None else rows(sink), length=self.prefix_length,
-            row_positions=self._row_positions(q.device), parallel=self.parallel)
