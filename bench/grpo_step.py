@@ -65,6 +65,7 @@ def worker(params: dict) -> dict:
 
     import longstraw as ls
     from longstraw.engine import activation_bytes_per_token, chunk_ranges, plan_group
+    from longstraw.engine.policy import GRAPH_SHARE
     from longstraw.memory import peak_bytes, release_freed, reset_peak
 
     torch.set_num_threads(params["threads"])
@@ -89,7 +90,7 @@ def worker(params: dict) -> dict:
     chunks = chunk_ranges(p_len - 1, cfg.prompt_chunk)
     plan = plan_group(model, cfg, p_len, exact=True)
     kept = plan.kept_graphs if lib_mode == "exact" else 0
-    eff_budget = budget if budget is not None else plan.free_bytes // 4  # the library's default: a quarter of free
+    eff_budget = budget if budget is not None else plan.free_bytes // GRAPH_SHARE  # the library default
     kept_tokens = sum(e - s for s, e in chunks[len(chunks) - kept :]) if kept else 0
 
     if params.get("warmup", True):

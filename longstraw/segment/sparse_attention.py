@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops import sparse_attention
-from ..ops.sparse_attention import select_topk_global, sparse_latent_attention
+from ..ops.sparse_attention import key_block, select_topk_global, sparse_latent_attention
 from ..ops.split_sparse_attention import SplitLayout, split_select_topk, split_sparse_attention
 from ..state import TokenState
 from .core import Segment
@@ -26,16 +25,16 @@ def select_topk(seg: Segment, layer: int, k: int, queries: tuple[Tensor, ...],
     `SplitSelection` of every rank's queries over the rows this rank holds, for `attend_sparse`.
 
     `queries` are the indexer's queries ([B, T, ...] each), `score(queries, keys)` their scores [B, T, L]
-    over key rows [L, D] (the prefix streams through in blocks of `sparse_attention.key_block`, one block's
+    over key rows [L, D] (the prefix streams through in blocks of `ops.sparse_attention.key_block`, one block's
     scores alive at a time) or [B, L, D]; `keys(state)` a state's index key rows; `own` the rows from
     `seg.own_rows`. The segment's own rows that a query may not see are masked here."""
     rows = seg.prefix_rows(layer)
     if seg.across_ranks:
         own_keys = keys(own)
         lay = _split_layout(seg, own.tokens, own_keys.device)
-        kb = sparse_attention.key_block(queries[0], lay.group.size)
+        kb = key_block(queries[0], lay.group.size)
         return split_select_topk(queries, score, None if rows is None else keys(rows), own_keys, k, lay, kb)
-    kb = sparse_attention.key_block(queries[0])
+    kb = key_block(queries[0])
     count = 0 if rows is None else rows.tokens
     own_scores = score(queries, keys(own))
     device = own_scores.device
