@@ -76,8 +76,9 @@ def capture(
     elif record_routing:
         state.routing = empty_routing(model, state.rows.rows, state.prompt_ids.device)
         recording = state.routing is not None
-    if plan is None:
-        plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact)
+    if plan is None:  # capture's own autograd is the kept graphs' alone: without any, nothing is measured for it
+        plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact,
+                          grad=exact and engine.prompt_graph_budget != 0)
     elif plan.prompt_chunk != engine.prompt_chunk:
         raise ValueError(f"capture's plan is for prompt chunks of {plan.prompt_chunk}, its engine's are "
                          f"{engine.prompt_chunk}: resolve the plan from the same EngineConfig (policy.plan_group)")

@@ -16,6 +16,7 @@ import queue as queue_module
 import socket
 import time
 import traceback
+import warnings
 from pathlib import Path
 from datetime import timedelta
 
@@ -71,9 +72,25 @@ def _nothing_pending(queue) -> bool:
     return queue.empty()
 
 
+class RankKilled(RuntimeError):
+    """A rank died by a signal before sending its result."""
+
+
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> list[dict[str, torch.Tensor]]:
     """fn(rank, world, *args) -> dict of tensors on each of `world` ranks; their results in rank order.
-    `timeout`: seconds without progress (no CPU time used by a rank that has not reported) before failing."""
+    `timeout`: seconds without progress (no CPU time used by a rank that has not reported) before failing.
+
+    A rank killed by a signal is run again once, all ranks afresh, with a warning: a rare glibc abort
+    ("malloc(): unaligned tcache chunk") in a gloo rank on CPU, not reproduced alone and not yet found, would
+    otherwise fail a test whose assertions never ran. A second kill fails the test."""
+    try:
+        return _run_ranks_once(world, fn, args, timeout)
+    except RankKilled as e:
+        warnings.warn(f"{e}; running the ranks once more", stacklevel=2)
+        return _run_ranks_once(world, fn, args, timeout)
+
+
+def _run_ranks_once(world: int, fn, args: tuple, timeout: float) -> list[dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -99,8 +116,10 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> list[dict[str, t
                 waiting = [r for r in range(world) if r not in results and r not in errors]
                 dead = {r: procs[r].exitcode for r in waiting if procs[r].exitcode is not None}
                 if dead and _nothing_pending(queue):  # (what it sent before exiting is read first)
-                    raise RuntimeError(f"ranks {sorted(dead)} of {world} exited without a result (exit codes "
-                                       f"{dead}; negative: killed by that signal, e.g. -6 an abort in malloc)")
+                    killed = all(code < 0 for code in dead.values())
+                    raise (RankKilled if killed else RuntimeError)(
+                        f"ranks {sorted(dead)} of {world} exited without a result (exit codes {dead}; negative: "
+                        "killed by that signal, e.g. -6 an abort in malloc)")
                 cpu = {r: _cpu_seconds(procs[r].pid) for r in waiting}
                 if any(c > last_cpu.get(r, -1.0) for r, c in cpu.items()):
                     last_cpu, last_progress = cpu, time.monotonic()
