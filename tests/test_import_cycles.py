@@ -3,40 +3,22 @@ functions too: a cycle that only a lazy import keeps from failing is still a cyc
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("longstraw", "tasks", "flows")
+from tests.test_layers import ROOT, imports, modules
 
 
 def _modules() -> dict[str, Path]:
-    mods = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    mods = modules()
     for path in (ROOT / "bench").glob("*.py"):  # scripts that import each other from their own directory
         mods[path.stem] = path
     return mods
 
 
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-        else:
-            continue
-        out |= {t for t in targets if t in mods and t != name}
-    return out
+    """The project's modules that `name` imports (test_layers' reading of its imports)."""
+    found = imports(name, path.name == "__init__.py", path.read_text(), set(mods))
+    return {t for _, t in found if t in mods and t != name}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
