@@ -10,6 +10,7 @@ the detached gradient of the same batch), and compared: cosine, relative L2, and
     .venv/bin/python bench/convergence.py --full      # 28 min on the 2-core box from a cold cache (limit: 60)
     .venv/bin/python bench/convergence.py --full --out bench/results/convergence --mlflow sqlite:///bench/out/mlflow.db
     .venv/bin/python bench/convergence.py --full --replot ...   # table and PNGs again from the stored runs
+    .venv/bin/python bench/convergence.py --smoke --out DIR --cache DIR   # seconds: the script runs (no numbers)
 
 One process, no Prefect: the library's pieces driven directly (capture, rollout, rewards, group advantages,
 grpo_backward, the pipeline's optimizer_step). Warm starts (`longstraw sft`, as `make run` does) are cached under
@@ -230,8 +231,8 @@ def evaluate(model, tok: Tokenizer, examples: list[Example], spec: TaskSpec, eng
     acc = rew = 0.0
     for ex, prompt in zip(examples, prompts_of(tok, examples)):
         state = ls.capture(model, prompt, engine)
-        sample = ls.rollout(model, state, n=1, max_new_tokens=spec.max_new_tokens, temperature=0,
-                            stop_ids=[tok.eos_id])[0]
+        greedy = ls.SamplingSettings(max_new_tokens=spec.max_new_tokens, temperature=0, stop_ids=(tok.eos_id,))
+        sample = ls.rollout(model, state, greedy, ls.Draw(n=1))[0]
         text = tok.decode(sample.tokens.tolist())
         acc += spec.verify(ex.meta, text)
         rew += compute_rewards(spec.reward, [ex.meta], [text])[0][0]
@@ -280,9 +281,9 @@ def _train_step(model, tok: Tokenizer, pool: list[Example], prompts: list[torch.
         t0 = time.perf_counter()
         # one capture serves the rollout and the mode's gradient (exact mode: with its kept graphs)
         state = ls.capture(model, prompt, run.engine, exact=run.mode == "exact")
-        samples = ls.rollout(model, state, n=run.responses, max_new_tokens=spec.max_new_tokens,
-                             temperature=run.temperature, stop_ids=[tok.eos_id],
-                             seed=example_seed(run.seed, step, g))
+        samples = ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=spec.max_new_tokens,
+                                                               temperature=run.temperature, stop_ids=(tok.eos_id,)),
+                             ls.Draw(n=run.responses, seed=example_seed(run.seed, step, g)))
         texts = [tok.decode(s.tokens.tolist()) for s in samples]
         rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(texts), texts)
         adv = ls.group_advantages(rewards)
@@ -407,6 +408,13 @@ PLANS = {
                                  ("qwen3_5", "kv-retrieval", 205, (0,))]),
         steps=16, pool=4, held_out=16, eval_every=4, sweep_tokens=(205, 448, 1024, 2048, 4096), sweep_prompts=2,
     ),
+    # the CLI end to end in well under a minute (tests/bench/test_smokes.py): a 2-step warm start, one seed of each
+    # mode for 2 steps, a one-prompt sweep. It measures nothing worth reading: it checks the script still runs.
+    "smoke": Plan(
+        warm={("dense", "kv-retrieval"): {"steps": 2}},
+        cells=_cells((0,), [("dense", "kv-retrieval", 205, (0,))]),
+        steps=2, pool=1, held_out=1, eval_every=2, sweep_tokens=(205,), sweep_prompts=1,
+    ),
 }
 
 
@@ -470,8 +478,10 @@ def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, 
             k += 1
             prompt = torch.tensor(prompt_ids(tok, ex))
             state = ls.capture(model_, prompt, cfg.engine, exact=True)  # exact: the prompt backward reuses it
-            samples = ls.rollout(model_, state, n=cfg.responses, max_new_tokens=spec.max_new_tokens,
-                                 temperature=cfg.temperature, stop_ids=[tok.eos_id], seed=1_000 * k)
+            samples = ls.rollout(model_, state, ls.SamplingSettings(max_new_tokens=spec.max_new_tokens,
+                                                                    temperature=cfg.temperature,
+                                                                    stop_ids=(tok.eos_id,)),
+                                 ls.Draw(n=cfg.responses, seed=1_000 * k))
             if warm is None:
                 rewards = torch.randn(len(samples), generator=torch.Generator().manual_seed(k)).tolist()
             else:
@@ -856,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="<= 5 min: the same cells at fewer steps, seeds and prompts (the default)")
     size.add_argument("--full", action="store_true", help="<= 60 min on the 2-core box, warm starts included")
+    size.add_argument("--smoke", action="store_true", help="seconds: a 2-step run of each mode and a one-prompt "
+                      "sweep, which checks that the script runs and measures nothing worth reading")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "convergence",
                     help="where convergence_summary.json and the PNGs go")
     ap.add_argument("--cache", type=Path, default=ROOT / "bench" / "out" / "convergence",
@@ -868,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
                     "from <cache>/convergence-<variant>.json")
     args = ap.parse_args(argv)
 
-    variant = "full" if args.full else "quick"
+    variant = "full" if args.full else "smoke" if args.smoke else "quick"
     plan = PLANS[variant]
     if args.steps:
         plan = Plan(**{**plan.__dict__, "steps": args.steps})

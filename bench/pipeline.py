@@ -98,7 +98,7 @@ def dstate_io(args, d: Path) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = ls.build_model(model_config(args))
-    state = ls.capture(model, torch.randint(0, 260, (args.P,)), args.chunk)
+    state = ls.capture(model, torch.randint(0, 260, (args.P,)), ls.EngineConfig(prompt_chunk=args.chunk))
     t0 = time.perf_counter()
     rec = save_state_shard(state, str(d / "dstate"), 0, weights_version="w")
     commit_sharded_state(str(d / "dstate"), [rec], state=state, weights_version="w")

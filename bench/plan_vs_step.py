@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_step import model_config  # noqa: E402
 
 from longstraw.tools.activations import activation_profile  # noqa: E402
-from longstraw.tools.plan import plan  # noqa: E402
+from longstraw.tools.plan import Cluster, EngineChoice, Workload, plan  # noqa: E402
 
 MIB = 2**20
 STEP_TERMS = ("state shard", "dState shard", "boundary states")
@@ -52,8 +52,9 @@ def main() -> None:
     print(head + "\n" + "-" * len(head))
     for row in data["rows"]:
         n, ckpt = row["N"], row.get("checkpoint_layers", "off") == "on"
-        r = plan(cfg, args.P, n, 1e6, zero=row["zero"], chunk=args.prompt_chunk, checkpoint_layers=ckpt,
-                 responses=args.G, response_tokens=args.R, profile=profile, precision="fp32")
+        r = plan(cfg, Workload(args.P, responses=args.G, response_tokens=args.R),
+                 Cluster(n, 1e6, zero=row["zero"], precision="fp32"),
+                 EngineChoice(chunk=args.prompt_chunk, checkpoint_layers=ckpt, profile=profile))
         planned = planned_step_bytes(r)
         measured = max(row["peak_delta_bytes_per_rank"])
         tracked = max(row.get("tracked_peak_bytes_per_rank") or [None], key=lambda b: b or 0)

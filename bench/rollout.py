@@ -35,12 +35,12 @@ def worker(p: dict) -> dict:
     model, cfg = tiny_model(p["arch"], p["P"] + p["tokens"] + 8, p["threads"])
     prompt = torch.randint(0, cfg["vocab_size"], (p["P"],), generator=torch.Generator().manual_seed(1))
     state = ls.capture(model, prompt)
-    kw = dict(n=p["n"], max_new_tokens=p["tokens"], temperature=1.0, seed=0, compile=p["compile"],
-              static_shapes=p["static"])
+    args = (ls.SamplingSettings(max_new_tokens=p["tokens"], temperature=1.0), ls.Draw(n=p["n"], seed=0))
+    decode = ls.DecodeOptions(compile=p["compile"], static_shapes=p["static"])
     with PeakMeter() as first:
-        ls.rollout(model, state, **kw)
+        ls.rollout(model, state, *args, decode=decode)
     with PeakMeter() as m:
-        samples = ls.rollout(model, state, **kw)
+        samples = ls.rollout(model, state, *args, decode=decode)
     generated = sum(len(s.tokens) for s in samples)
     return {**p, "seconds": m.seconds, "first_seconds": first.seconds, "tokens_per_s": generated / m.seconds,
             "peak_bytes": m.peak_bytes, "state_bytes": state.nbytes}

@@ -46,7 +46,7 @@ def _under_torchrun() -> bool:
     return under_torchrun()
 
 
-def _run(cfg: TrainConfig, progress: bool) -> int:
+def _train_here_or_launch(cfg: TrainConfig, progress: bool) -> int:
     """Train in this process (one rank), as one rank of the torchrun job this process belongs to, or start a
     job of `pipeline.nproc` ranks."""
     if _under_torchrun():
@@ -77,7 +77,7 @@ def _where(cfg: TrainConfig) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    return _run(_config(args), not args.no_progress)
+    return _train_here_or_launch(_config(args), not args.no_progress)
 
 
 def _resume_config(target: str) -> dict:
@@ -109,7 +109,7 @@ def _resume_config(target: str) -> dict:
 
 def resume(args: argparse.Namespace) -> int:
     data = with_overrides(_resume_config(args.target), _overrides(args))
-    return _run(TrainConfig.model_validate(data), not args.no_progress)
+    return _train_here_or_launch(TrainConfig.model_validate(data), not args.no_progress)
 
 
 def serve(args: argparse.Namespace) -> int:

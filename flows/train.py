@@ -19,14 +19,13 @@ from prefect.runtime import flow_run
 from tqdm.auto import tqdm
 
 from longstraw.files import Artefact, CorruptArtefact
-from longstraw.grpo.advantages import needs_batch
 from longstraw.train.artifacts import load_json, save_json
 from longstraw.train import spmd
 from longstraw.train.checkpoint import latest_checkpoint
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
 from longstraw.train.spmd import Driver
-from longstraw.train.inputs import preflight
+from longstraw.train.inputs import needs_batch_advantages, preflight
 from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 from tasks import stages, tracking
@@ -38,7 +37,7 @@ from .launch import launch_failed, launch_ranks
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def _run(stage: Task, args: dict, *, run: Run, parent: str | None) -> dict:
+def _run_stage(stage: Task, args: dict, *, run: Run, parent: str | None) -> dict:
     """Run one stage task and wait for it. A cached result whose artefact is gone (a deleted state, rollout or
     file) runs again."""
     t = configured(stage, run.config)
@@ -80,12 +79,13 @@ def grpo_step(run: Run, step: int, weights_version: str, reference_version: str 
               parent_run_id: str | None = None) -> dict:
     """One GRPO step, group by group: capture -> rollout -> (reference) -> reward -> replay (per branch slice)
     -> (prompt backward), then the optimizer step (and checkpoint); once per epoch. When an advantage needs every
-    group's rewards (`needs_batch`), epoch 0 scores all groups first, then computes advantages, then replays.
+    group's rewards (`inputs.needs_batch_advantages`), epoch 0 scores all groups first, then computes advantages,
+    then replays.
     `weights_version` is the lineage id of the weights the ranks hold at the step's start, `reference_version` that
     of the KL reference. `run`: the run's config, resolved once, and the driver of its ranks."""
     cfg = run.config
     t0 = time.perf_counter()
-    stage = partial(_run, run=run, parent=parent_run_id)
+    stage = partial(_run_stage, run=run, parent=parent_run_id)
     update = step * cfg.epochs
     caps: list[dict] = []  # every epoch's
     rolls: dict[int, dict] = {}
@@ -110,7 +110,7 @@ def grpo_step(run: Run, step: int, weights_version: str, reference_version: str 
     for epoch in range(cfg.epochs):
         # one group at a time: one prefix state and one dState resident; batch advantages defer epoch 0's replays
         # until every group is scored, each replay then reading its group's state back from the store
-        deferred = epoch == 0 and needs_batch(cfg.grpo.scale_rewards, cfg.grpo.multi_objective_aggregation)
+        deferred = epoch == 0 and needs_batch_advantages(cfg)
         states: dict[int, dict] = {}
         for g in range(cfg.groups):
             # epoch > 0: the weights changed, so the prompt is captured again with them
@@ -218,7 +218,7 @@ def _step_dropping_corrupt(run: Run, step: int, weights_version: str, reference_
                            parent: str | None) -> dict:
     """Run a step; when a stage finds a stored input corrupted (the state, a rollout, a reward or reference file:
     derived data, never a checkpoint), delete it and run the step once more. The stage that wrote it is cached,
-    but its artefact is gone now, so it runs again (`_run`), and nothing has to be cleaned up by hand."""
+    but its artefact is gone now, so it runs again (`_run_stage`), and nothing has to be cleaned up by hand."""
     try:
         return grpo_step(run, step, weights_version, reference_version, parent)
     except CorruptArtefact as e:

@@ -6,7 +6,7 @@ from .grpo import GRPOConfig, group_advantages
 from .lora import add_lora
 from .models import SUPPORTED_MODEL_TYPES, build_model, load_model
 from .parallel import ONE_RANK, SequenceGroup, SequenceParallel
-from .rollout import Sample, rollout
+from .rollout import DecodeOptions, Draw, Sample, SamplingSettings, rollout
 from .state import AttentionState, PrefixState
 
 __all__ = [
@@ -15,11 +15,14 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AttentionState",
     "Branches",
+    "DecodeOptions",
+    "Draw",
     "EngineConfig",
     "GRPOConfig",
     "PrefixState",
     "Routing",
     "Sample",
+    "SamplingSettings",
     "SequenceGroup",
     "SequenceParallel",
     "add_lora",

@@ -79,7 +79,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .config import parse_rope_scaling
     from .models import read_config
     from .tools.activations import activation_profile
-    from .tools.plan import flat_profile, format_plan, plan, smallest_fit
+    from .tools.plan import Cluster, EngineChoice, Workload, flat_profile, format_plan, plan, smallest_fit
     from .tools.work import format_work, step_time, step_work
 
     cfg = read_config(args.config)
@@ -88,13 +88,14 @@ def _plan(args: argparse.Namespace) -> int:
     profile = flat_profile(cfg, int(args.activation_kb * 1e3)) if args.activation_kb else \
         activation_profile(cfg, lora)
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpoint_layers]
-    kw = dict(zero=args.zero, chunk=args.chunk, checkpoint_layers=ckpt, responses=args.responses,
-              response_tokens=args.response_tokens, profile=profile, lora=lora, rope_scaling=rope,
-              precision=args.precision, offload=args.offload,
-              expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel],
-              prompt_order=args.prompt_order, routing_replay=args.routing_replay)
-    r = plan(cfg, args.tokens, args.gpus, args.gpu_mem_gb, sp=args.sp, **kw)
-    fits = [smallest_fit(cfg, args.tokens, args.gpu_mem_gb, m, **kw) for m in ("exact", "detached")]
+    load = Workload(args.tokens, responses=args.responses, response_tokens=args.response_tokens, lora=lora,
+                    rope_scaling=rope, routing_replay=args.routing_replay)
+    cluster = Cluster(args.gpus, args.gpu_mem_gb, zero=args.zero, sp=args.sp, precision=args.precision,
+                      offload=args.offload,
+                      expert_parallel={"auto": None, "on": True, "off": False}[args.expert_parallel])
+    engine = EngineChoice(chunk=args.chunk, checkpoint_layers=ckpt, prompt_order=args.prompt_order, profile=profile)
+    r = plan(cfg, load, cluster, engine)
+    fits = [smallest_fit(cfg, load, cluster, engine, m) for m in ("exact", "detached")]
     work = step_work(cfg, args.tokens, r["sp"], r["chunk"], args.responses, args.response_tokens, dp=r["dp"],
                      zero=args.zero, by_layer=r["prompt_order"] == "layers", expert_parallel=r["expert_parallel"])
     time = step_time(work, args.tflops, args.link_gbps)

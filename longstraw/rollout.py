@@ -25,10 +25,56 @@ class Sample:
     tokens: torch.Tensor  # [R] int64
     logprobs: torch.Tensor  # [R] fp32
     sampler_logprobs: torch.Tensor  # [R] fp32
-    finish_reason: str  # "stop" (a stop id was sampled, and kept as the last token) or "length"
-    # rollout(record_routing=True): by MoE layer, the experts [R, top_k] each decode step sent its input token to
-    # (the inputs a replay feeds: the prompt's last token, then the response but its last token); uint8 up to 256
+    # "stop" (a stop id was sampled, and kept as the last token) or "length"; a multi-turn branch
+    # (agents/turns.py): "stop" (its environment said done), "length" (the budget) or "turns" (max_turns)
+    finish_reason: str
+    # SamplingSettings(record_routing=True): by MoE layer, the experts [R, top_k] each decode step sent its input
+    # token to (the inputs a replay feeds: the prompt's last token, then the response but its last token); uint8 up
+    # to 256
     routing: dict[int, torch.Tensor] | None = None
+    # a multi-turn branch (agents/turns.py): bool [R], True where the model wrote the token (False on the
+    # environment's observation tokens, whose sampler log-prob is NaN); None: every token is the model's
+    mask: torch.Tensor | None = None
+    turns: int = 1  # the turns the model wrote (a turn ends with a stop id, or at the budget)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a run samples its answers (the same for every group of the run): the decode length, the distribution
+    (`temperature` 0 is greedy; `top_k` 0 and `top_p` 1 filter nothing), the ids that end an answer, and whether
+    each answer's MoE routing is recorded (routing replay)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+    record_routing: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))  # a list given stays hashable and comparable
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One call's share of a group: `n` answers, the first being branch `first_branch` of the group, drawn with
+    `seed` (branch i from `seed + i`, so that data-parallel slices together draw what one call would; None: a
+    fresh random seed)."""
+
+    n: int
+    seed: int | None = None
+    first_branch: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the decode runs, not what it draws (the same tokens up to float rounding): how often it asks whether
+    every branch stopped, and torch.compile (`compile`: True for inductor, or a backend's name; `static_shapes`:
+    one graph for all steps). See `rollout`."""
+
+    stop_check_every: int = 8
+    compile: bool | str = False
+    static_shapes: bool = False
 
 
 def sample_no_sync(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -75,43 +121,40 @@ def _filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 def rollout(
     model: PrefixLM,
     state: PrefixState,
+    settings: SamplingSettings,
+    draw: Draw,
     *,
-    n: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_ids: Sequence[int] = (),
-    seed: int | None = None,
     parallel: SequenceGroup = ONE_RANK,
-    stop_check_every: int = 8,
-    compile: bool | str = False,
-    static_shapes: bool = False,
-    first_branch: int = 0,
-    record_routing: bool = False,
+    decode: DecodeOptions = DecodeOptions(),
 ) -> list[Sample]:
-    """Generate `n` responses to the captured prompt.
+    """Generate `draw.n` responses to the captured prompt, sampled as `settings` says.
 
     All branches decode in one batch: attention layers read the one shared prefix state plus each branch's own
     tokens (merged by log-sum-exp; the prefix is never copied per branch); recurrent layers get a per-branch copy
-    of their fixed-size state. Branch i samples with its own generator seeded `seed + first_branch + i`, so a
-    branch's tokens do not depend on the others, and data-parallel groups that each sample a slice of a GRPO group
-    (`first_branch`: the slice's first index) together draw what one call would. `temperature == 0` is greedy.
-    Sampling never waits for the device, and whether every branch has stopped is asked every `stop_check_every`
-    tokens. Over a `parallel` group, every rank of the group passes its shard of the state and the same arguments
-    (a seed included), and gets the same samples.
+    of their fixed-size state. Branch i samples with its own generator seeded `draw.seed + draw.first_branch + i`,
+    so a branch's tokens do not depend on the others, and data-parallel groups that each sample a slice of a GRPO
+    group (`first_branch`: the slice's first index) together draw what one call would. `temperature == 0` is
+    greedy. Sampling never waits for the device, and whether every branch has stopped is asked every
+    `decode.stop_check_every` tokens. Over a `parallel` group, every rank of the group passes its shard of the
+    state and the same arguments (a seed included), and gets the same samples.
 
-    `compile`: run each decode step's forward under torch.compile (`compiled_decoder`): True for inductor, or a
-    backend's name. The first call of a model pays the compilation (about a minute of CPU); the tokens drawn are
-    the same as without it up to the kernels' float rounding. `static_shapes`: each step reads the branches' whole
-    preallocated own-token buffers behind a mask, at a position kept on the device, so all steps are one graph
-    (with inductor on CUDA, replayed as a CUDA graph); the same tokens up to rounding, for a little more attention
-    work over the not yet written rows (at most `max_new_tokens` of them, against a prefix of millions).
+    `decode.compile`: run each decode step's forward under torch.compile (`compiled_decoder`): True for inductor,
+    or a backend's name. The first call of a model pays the compilation (about a minute of CPU); the tokens drawn
+    are the same as without it up to the kernels' float rounding. `decode.static_shapes`: each step reads the
+    branches' whole preallocated own-token buffers behind a mask, at a position kept on the device, so all steps
+    are one graph (with inductor on CUDA, replayed as a CUDA graph); the same tokens up to rounding, for a little
+    more attention work over the not yet written rows (at most `max_new_tokens` of them, against a prefix of
+    millions).
 
-    `record_routing` (MoE routing replay, engine/routing.py): each sample's `routing` holds the experts every
-    decode step routed its input token to, which a replay of the sample then takes instead of re-routing.
+    `settings.record_routing` (MoE routing replay, engine/routing.py): each sample's `routing` holds the experts
+    every decode step routed its input token to, which a replay of the sample then takes instead of re-routing.
     """
     check_state(model, state, parallel)
+    n, seed, first_branch = draw.n, draw.seed, draw.first_branch
+    max_new_tokens, temperature, top_p, top_k = (settings.max_new_tokens, settings.temperature, settings.top_p,
+                                                 settings.top_k)
+    stop_ids, record_routing = settings.stop_ids, settings.record_routing
+    stop_check_every, compile, static_shapes = decode.stop_check_every, decode.compile, decode.static_shapes
     if stop_check_every < 1:
         raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
     if n < 1 or max_new_tokens < 1 or first_branch < 0:
@@ -157,14 +200,10 @@ def rollout(
     out_tokens, out_logps, out_sampler = [], [], []
     done = torch.zeros(n, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        cache.filled = t if step is None else step
-        view = PrefixView(prefix, state.length, rows=state.rows, parallel=parallel)
-        seg = Segment(start=state.length + cache.filled, prefix=view, cache=cache, collect=True,
-                      record_routing=record_routing)
-        logits = forward(tokens, seg)[:, -1].float()
-        if record_routing:
-            routed.append(_step_routing(seg))
-        prefix = [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)]
+        logits, prefix, routing = decode_step(forward, tokens, state, prefix, cache, t if step is None else step,
+                                              parallel, record_routing)
+        if routing is not None:
+            routed.append(routing)
         if step is not None:
             prefix = _dense(prefix)
         logp = torch.log_softmax(logits, dim=-1)
@@ -192,6 +231,20 @@ def rollout(
             step.add_(1)
     samples = _samples(torch.stack(out_tokens, 1), torch.stack(out_logps, 1), torch.stack(out_sampler, 1), stops)
     return _with_routing(samples, routed, parallel) if record_routing else samples
+
+
+def decode_step(forward: nn.Module, tokens: torch.Tensor, state: PrefixState, prefix: list[LayerState],
+                cache: DecodeCache, filled: int | torch.Tensor, parallel: SequenceGroup, record_routing: bool
+                ) -> tuple[torch.Tensor, list[LayerState], dict[int, torch.Tensor] | None]:
+    """One decode step of the branches' next tokens `tokens` [n, 1] after `filled` tokens of their own (for the
+    static decode a device tensor): the next-token logits [n, V] (fp32), the per-branch states of `prefix`
+    advanced past them, and (`record_routing`) the experts each MoE layer routed them to."""
+    cache.filled = filled
+    view = PrefixView(prefix, state.length, rows=state.rows, parallel=parallel)
+    seg = Segment(start=state.length + filled, prefix=view, cache=cache, collect=True, record_routing=record_routing)
+    logits = forward(tokens, seg)[:, -1].float()
+    routing = _step_routing(seg) if record_routing else None
+    return logits, [s.advance(seg.emitted[i]) for i, s in enumerate(prefix)], routing
 
 
 def _dense(states: list[LayerState]) -> list[LayerState]:

@@ -1,46 +1,21 @@
 """The rollout seam: a `Sampler` draws a GRPO group's answers from a captured prefix state. The training worker
-calls the sampler its run config names (`rollout.backend`), never a sampling function directly, so that another
-sampler (an inference server such as vLLM or SGLang) plugs in by implementing `Sampler.sample` and registering
-itself in `SAMPLERS`.
+calls the sampler its run config names (`rollout.backend`, built with the config's `rollout.options`), never a
+sampling function directly, so that another sampler (an inference server such as vLLM or SGLang) plugs in by
+implementing `Sampler.sample` and registering a factory of it with `register_sampler`.
 
 One implementation today: `NativeSampler`, longstraw's own batched decode on the shared prefix (`rollout.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any, Protocol, runtime_checkable
 
 from .models.protocol import PrefixLM
 from .parallel import ONE_RANK, SequenceGroup
-from .rollout import Sample, rollout
+from .rollout import DecodeOptions, Draw, Sample, SamplingSettings, rollout
 from .state import PrefixState
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How a run samples its answers (the same for every group of the run): the decode length, the distribution
-    (`temperature` 0 is greedy; `top_k` 0 and `top_p` 1 filter nothing), the ids that end an answer, and whether
-    each answer's MoE routing is recorded (routing replay)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_ids: tuple[int, ...] = ()
-    record_routing: bool = False
-
-
-@dataclass(frozen=True)
-class Draw:
-    """One call's share of a group: `n` answers, the first being branch `first_branch` of the group, drawn with
-    `seed` (branch i from `seed + i`, so that data-parallel slices together draw what one call would)."""
-
-    n: int
-    seed: int
-    first_branch: int = 0
-
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -53,16 +28,43 @@ class Sampler(Protocol):
                parallel: SequenceGroup = ONE_RANK) -> list[Sample]: ...
 
 
+# A sampler from its options (the run config's `rollout.options`); it refuses options it does not know.
+SamplerFactory = Callable[[Mapping[str, Any]], Sampler]
+
+
 class NativeSampler:
-    """longstraw's decode: every branch of the draw in one batch on the one shared prefix state (`rollout`)."""
+    """longstraw's decode: every branch of the draw in one batch on the one shared prefix state (`rollout`). Its
+    options are `DecodeOptions`' fields (stop_check_every, compile, static_shapes)."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        known = [f.name for f in fields(DecodeOptions)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"rollout.options {unknown} are not options of the native sampler; "
+                             f"accepted: {', '.join(known)}")
+        self.decode = DecodeOptions(**options)
+        d = self.decode
+        if not (type(d.stop_check_every) is int and d.stop_check_every >= 1 and isinstance(d.compile, bool | str)
+                and isinstance(d.static_shapes, bool)):
+            raise ValueError(f"bad rollout.options for the native sampler: {options}; stop_check_every is an int >= 1, "
+                             "compile true, false or a torch.compile backend's name, static_shapes true or false")
 
     def sample(self, model: PrefixLM, state: PrefixState, settings: SamplingSettings, draw: Draw,
                parallel: SequenceGroup = ONE_RANK) -> list[Sample]:
-        return rollout(model, state, **asdict(settings), **asdict(draw), parallel=parallel)
+        return rollout(model, state, settings, draw, parallel=parallel, decode=self.decode)
 
 
-# The samplers a run config may name (`rollout.backend`), each by a factory of its instance.
-SAMPLERS: dict[str, Callable[[], Sampler]] = {"native": NativeSampler}
+# The samplers a run config may name (`rollout.backend`), each by its factory (`register_sampler` adds one).
+SAMPLERS: dict[str, SamplerFactory] = {"native": NativeSampler}
+
+
+def register_sampler(name: str, factory: SamplerFactory, *, replace: bool = False) -> None:
+    """Make `factory` the sampler a run config names `name` (`rollout.backend`); the worker calls it with the
+    config's `rollout.options`. A name already registered is refused unless `replace`."""
+    if name in SAMPLERS and not replace:
+        raise ValueError(f"a sampler is already registered as {name!r}; pick another name or pass replace=True")
+    SAMPLERS[name] = factory
 
 
 def accepted_backends() -> str:
@@ -76,6 +78,6 @@ def check_backend(name: str) -> str:
     return name
 
 
-def build_sampler(name: str) -> Sampler:
-    """The sampler registered as `name` (`rollout.backend`)."""
-    return SAMPLERS[check_backend(name)]()
+def build_sampler(name: str, options: Mapping[str, Any] | None = None) -> Sampler:
+    """The sampler registered as `name` (`rollout.backend`), built with `options` (`rollout.options`)."""
+    return SAMPLERS[check_backend(name)](dict(options or {}))

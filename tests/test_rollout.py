@@ -33,10 +33,10 @@ ARCHS = ["qwen3", "qwen3_5_text", "glm_moe_dsa"]
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
 def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
     model = sharpen(model_for(arch))
-    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
-    kw = dict(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[3])
-    batch = ls.rollout(model, state, n=4, seed=11, **kw)
-    singles = [ls.rollout(model, state, n=1, seed=11 + i, **kw)[0] for i in range(4)]
+    state = ls.capture(model, torch.randint(0, 97, (40,)), ls.EngineConfig(prompt_chunk=16))
+    settings = ls.SamplingSettings(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[3])
+    batch = ls.rollout(model, state, settings, ls.Draw(n=4, seed=11))
+    singles = [ls.rollout(model, state, settings, ls.Draw(n=1, seed=11 + i))[0] for i in range(4)]
     for a, b in zip(batch, singles):
         assert torch.equal(a.tokens, b.tokens)
         assert a.finish_reason == b.finish_reason
@@ -49,8 +49,8 @@ def test_batched_equals_independent_branches(arch, temperature, top_k, top_p):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sampling_logprobs_equal_score(arch):
     model = model_for(arch)
-    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
-    samples = ls.rollout(model, state, n=3, max_new_tokens=12, temperature=1.0, seed=3)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), ls.EngineConfig(prompt_chunk=16))
+    samples = ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=12, temperature=1.0), ls.Draw(n=3, seed=3))
     scored = ls.score(model, state, [s.tokens for s in samples])
     for s, ref in zip(samples, scored):
         assert s.tokens.shape == s.logprobs.shape
@@ -60,7 +60,8 @@ def test_sampling_logprobs_equal_score(arch):
 def test_greedy_is_argmax_of_full_forward():
     model = sharpen(tiny_model())
     prompt = torch.randint(0, 97, (30,))
-    sample = ls.rollout(model, ls.capture(model, prompt), n=2, max_new_tokens=6, temperature=0)[0]
+    sample = ls.rollout(model, ls.capture(model, prompt), ls.SamplingSettings(max_new_tokens=6, temperature=0),
+                        ls.Draw(n=2))[0]
     ids = prompt.clone()
     for _ in range(6):
         with torch.no_grad():
@@ -71,8 +72,9 @@ def test_greedy_is_argmax_of_full_forward():
 def test_same_seed_same_samples_and_stop_handling():
     model = tiny_model()
     state = ls.capture(model, torch.randint(0, 97, (20,)))
-    a = ls.rollout(model, state, n=3, max_new_tokens=30, seed=5, stop_ids=[1, 2, 3])
-    b = ls.rollout(model, state, n=3, max_new_tokens=30, seed=5, stop_ids=[1, 2, 3])
+    settings = ls.SamplingSettings(max_new_tokens=30, stop_ids=[1, 2, 3])
+    a = ls.rollout(model, state, settings, ls.Draw(n=3, seed=5))
+    b = ls.rollout(model, state, settings, ls.Draw(n=3, seed=5))
     assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
     for s in a:
         stops = [i for i, t in enumerate(s.tokens.tolist()) if t in (1, 2, 3)]
@@ -94,7 +96,7 @@ def test_prefix_is_shared_not_copied(monkeypatch):
         return forward(self, input_ids, seg, logits_from)
 
     monkeypatch.setattr(type(model), "forward", spy)
-    ls.rollout(model, state, n=5, max_new_tokens=4, seed=0)
+    ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=4), ls.Draw(n=5, seed=0))
     per_token = [i for i, s in enumerate(state.layers) if isinstance(s, ls.AttentionState)]
     assert per_token and len(seen) == 4
     for seg in seen:
@@ -115,15 +117,15 @@ def test_bad_arguments():
     model = tiny_model(max_position_embeddings=64)
     state = ls.capture(model, torch.randint(0, 97, (50,)))
     with pytest.raises(ValueError, match="exceeds the model.s 64 positions; extend them with RoPE scaling"):
-        ls.rollout(model, state, n=2, max_new_tokens=20)
+        ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=20), ls.Draw(n=2))
     with pytest.raises(ValueError, match="n >= 1"):
-        ls.rollout(model, state, n=0, max_new_tokens=2)
+        ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=2), ls.Draw(n=0))
     with pytest.raises(ValueError, match="top_p"):
-        ls.rollout(model, state, n=1, max_new_tokens=2, top_p=0.0)
+        ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=2, top_p=0.0), ls.Draw(n=1))
     with pytest.raises(ValueError, match="stop_ids"):
-        ls.rollout(model, state, n=1, max_new_tokens=2, stop_ids=[500])
+        ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=2, stop_ids=[500]), ls.Draw(n=1))
     with pytest.raises(ValueError, match="different model"):
-        ls.rollout(tiny_model(num_hidden_layers=2), state, n=1, max_new_tokens=2)
+        ls.rollout(tiny_model(num_hidden_layers=2), state, ls.SamplingSettings(max_new_tokens=2), ls.Draw(n=1))
 
 
 def test_sampling_without_host_sync_draws_from_the_distribution():
@@ -143,32 +145,33 @@ def test_sampling_without_host_sync_draws_from_the_distribution():
 def test_stop_checks_every_k_tokens_give_the_same_samples():
     """Asking whether all branches stopped only every k tokens decodes a little longer, never differently."""
     model = sharpen(model_for("qwen3"))
-    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
-    kw = dict(n=4, max_new_tokens=12, temperature=1.0, stop_ids=[3, 5, 7], seed=5)
-    every = ls.rollout(model, state, stop_check_every=1, **kw)
-    sparse = ls.rollout(model, state, stop_check_every=8, **kw)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), ls.EngineConfig(prompt_chunk=16))
+    args = (ls.SamplingSettings(max_new_tokens=12, temperature=1.0, stop_ids=[3, 5, 7]), ls.Draw(n=4, seed=5))
+    every = ls.rollout(model, state, *args, decode=ls.DecodeOptions(stop_check_every=1))
+    sparse = ls.rollout(model, state, *args, decode=ls.DecodeOptions(stop_check_every=8))
     assert any(s.finish_reason == "stop" for s in every)
     for a, b in zip(every, sparse):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
         assert torch.equal(a.sampler_logprobs, b.sampler_logprobs) and a.finish_reason == b.finish_reason
     with pytest.raises(ValueError, match="stop_check_every"):
-        ls.rollout(model, state, stop_check_every=0, **kw)
+        ls.rollout(model, state, *args, decode=ls.DecodeOptions(stop_check_every=0))
 
 
 def test_branch_slices_draw_what_one_call_draws():
     """Data-parallel groups each sample a slice of a GRPO group (`first_branch`): together, the same answers."""
     model = model_for("qwen3_5_text")
-    state = ls.capture(model, torch.randint(0, 97, (40,)), 16)
-    kw = dict(max_new_tokens=10, temperature=1.0, seed=7, stop_ids=[3])
-    whole = ls.rollout(model, state, n=4, **kw)
-    slices = ls.rollout(model, state, n=2, **kw) + ls.rollout(model, state, n=2, first_branch=2, **kw)
+    state = ls.capture(model, torch.randint(0, 97, (40,)), ls.EngineConfig(prompt_chunk=16))
+    settings = ls.SamplingSettings(max_new_tokens=10, temperature=1.0, stop_ids=[3])
+    whole = ls.rollout(model, state, settings, ls.Draw(n=4, seed=7))
+    slices = (ls.rollout(model, state, settings, ls.Draw(n=2, seed=7))
+              + ls.rollout(model, state, settings, ls.Draw(n=2, seed=7, first_branch=2)))
     for a, b in zip(whole, slices, strict=True):
         assert torch.equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5, rtol=0)
     assert not torch.equal(slices[0].tokens, slices[2].tokens)  # the second slice did not redraw the first
     with pytest.raises(ValueError, match="first_branch"):
-        ls.rollout(model, state, n=2, first_branch=-1, **kw)
+        ls.rollout(model, state, settings, ls.Draw(n=2, seed=7, first_branch=-1))
 
 
 def drawn_logprobs(logits: list[float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
@@ -197,10 +200,10 @@ def test_sampler_logprobs_are_those_of_the_filtered_distribution(arch):
     with torch.no_grad():
         model.lm_head.weight.mul_(4)  # peaked enough that top-p 0.8 cuts the vocab, not so much as to break ties
     prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2))
-    state = ls.capture(model, prompt, 16)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16))
     temperature, top_k, top_p = 0.7, 20, 0.8
-    samples = ls.rollout(model, state, n=3, max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p,
-                         seed=1)
+    samples = ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=8, temperature=temperature, top_k=top_k,
+                                                           top_p=top_p), ls.Draw(n=3, seed=1))
     cut = []
     for s in samples:
         with torch.no_grad():
@@ -223,9 +226,10 @@ def test_sampler_logprobs_at_temperature_1_unfiltered_and_greedy(arch):
     """Drawn from the model's own distribution, the sampler's log-probs are the model's; greedy draws from a point
     mass: 0 for every token (the temperature-1 log-probs stay the model's)."""
     model = model_for(arch)
-    state = ls.capture(model, torch.randint(0, 97, (30,)), 16)
-    for s in ls.rollout(model, state, n=3, max_new_tokens=8, temperature=1.0, seed=4):
+    state = ls.capture(model, torch.randint(0, 97, (30,)), ls.EngineConfig(prompt_chunk=16))
+    for s in ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=8, temperature=1.0), ls.Draw(n=3, seed=4)):
         torch.testing.assert_close(s.sampler_logprobs, s.logprobs, atol=1e-6, rtol=0)
-    for s in ls.rollout(model, state, n=2, max_new_tokens=8, temperature=0.0, stop_ids=[3]):
+    for s in ls.rollout(model, state, ls.SamplingSettings(max_new_tokens=8, temperature=0.0, stop_ids=[3]),
+                        ls.Draw(n=2)):
         assert torch.equal(s.sampler_logprobs, torch.zeros(len(s.tokens)))
         assert (s.logprobs < 0).all()

@@ -1,6 +1,7 @@
-"""rollout(compile=...): the decode step under torch.compile draws the same tokens as the eager model, as one graph
-per step (no graph breaks), and compiles a bounded number of graphs however many tokens it decodes. The static
-decode (static_shapes=True) draws the same tokens as the dynamic one, and compiles one graph for all steps.
+"""rollout(decode=DecodeOptions(compile=...)): the decode step under torch.compile draws the same tokens as the
+eager model, as one graph per step (no graph breaks), and compiles a bounded number of graphs however many tokens
+it decodes. The static decode (static_shapes=True)
+draws the same tokens as the dynamic one, and compiles one graph for all steps.
 
 The slow part is compilation (tens of seconds per model on the CPU), so each family compiles once. `aot_eager`
 traces and partitions exactly what inductor would get, without generating code; the dense model also runs inductor.
@@ -32,10 +33,11 @@ def test_compiled_decode_equals_eager(arch, dtype, backend):
     torch._dynamo.reset()
     counters.clear()
     model = _model(arch, dtype)
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
-    kw = dict(n=3, max_new_tokens=24, temperature=1.0, seed=5)
-    eager = ls.rollout(model, state, **kw)
-    compiled = ls.rollout(model, state, compile=backend, **kw)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)),
+                       ls.EngineConfig(prompt_chunk=16))
+    settings = ls.SamplingSettings(max_new_tokens=24, temperature=1.0)
+    eager = ls.rollout(model, state, settings, ls.Draw(n=3, seed=5))
+    compiled = ls.rollout(model, state, settings, ls.Draw(n=3, seed=5), decode=ls.DecodeOptions(compile=backend))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(eager, compiled):
         assert torch.equal(a.tokens, b.tokens)
@@ -44,10 +46,12 @@ def test_compiled_decode_equals_eager(arch, dtype, backend):
     # the first token, the second, then one graph with symbolic sizes for the other 22: not one per token
     assert counters["stats"]["unique_graphs"] <= 3
     # a second rollout (other prompt, other seed) reuses them
-    again = ls.capture(model, torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(3)), 16)
+    again = ls.capture(model, torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(3)),
+                       ls.EngineConfig(prompt_chunk=16))
     graphs = counters["stats"]["unique_graphs"]
-    kw["seed"] = 6
-    for a, b in zip(ls.rollout(model, again, **kw), ls.rollout(model, again, compile=backend, **kw)):
+    draw = ls.Draw(n=3, seed=6)
+    for a, b in zip(ls.rollout(model, again, settings, draw),
+                    ls.rollout(model, again, settings, draw, decode=ls.DecodeOptions(compile=backend))):
         assert torch.equal(a.tokens, b.tokens)
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -65,10 +69,11 @@ def _nan_cache(model):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text", "glm_moe_dsa"])
 def test_static_decode_equals_the_dynamic_one(arch):
     model = _model(arch, torch.float32)
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
-    kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5, stop_ids=[3])
-    dynamic = ls.rollout(model, state, **kw)
-    static = ls.rollout(_nan_cache(model), state, static_shapes=True, **kw)
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)),
+                       ls.EngineConfig(prompt_chunk=16))
+    args = (ls.SamplingSettings(max_new_tokens=16, temperature=1.0, stop_ids=[3]), ls.Draw(n=3, seed=5))
+    dynamic = ls.rollout(model, state, *args)
+    static = ls.rollout(_nan_cache(model), state, *args, decode=ls.DecodeOptions(static_shapes=True))
     for a, b in zip(dynamic, static, strict=True):
         assert torch.equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
@@ -80,9 +85,11 @@ def test_static_decode_compiles_one_graph(arch, backend):
     torch._dynamo.reset()
     counters.clear()
     model = _nan_cache(_model(arch, torch.float32))
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
-    kw = dict(n=3, max_new_tokens=16, temperature=1.0, seed=5)
-    for a, b in zip(ls.rollout(model, state, **kw), ls.rollout(model, state, compile=backend, static_shapes=True, **kw)):
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)),
+                       ls.EngineConfig(prompt_chunk=16))
+    args = (ls.SamplingSettings(max_new_tokens=16, temperature=1.0), ls.Draw(n=3, seed=5))
+    static = ls.DecodeOptions(compile=backend, static_shapes=True)
+    for a, b in zip(ls.rollout(model, state, *args), ls.rollout(model, state, *args, decode=static)):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert dict(counters["graph_break"]) == {}

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from torch.distributed.run import get_args_parser
 
+from tests import progress
 from tests.flows.test_train_flow import config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +76,7 @@ def test_sbatch_starts_one_torchrun_per_node_with_the_rendezvous_on_the_first(st
            "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_JOB_ID": "77"}
     script = ROOT / "infra" / "slurm" / "longstraw.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    done = subprocess.run(["bash", str(script), "train", "--config", "x.yaml"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = progress.run(["bash", str(script), "train", "--config", "x.yaml"], env=env)
     assert done.returncode == 0, done.stderr
     for node in (0, 1):
         argv = _recorded(env, node)
@@ -100,16 +100,15 @@ def test_k8s_indexed_job_and_headless_service_agree(stand_ins, tmp_path, monkeyp
     assert job_name == "metadata.labels['batch.kubernetes.io/job-name']"  # what Kubernetes sets on a Job's pods
     for node in (0, nodes - 1):
         env = {**stand_ins, "JOB_COMPLETION_INDEX": str(node), "JOB_NAME": job["metadata"]["name"]}
-        done = subprocess.run(["bash", "-c", *container["args"]], cwd=tmp_path / "root", env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = progress.run(["bash", "-c", *container["args"]], cwd=tmp_path / "root", env=env)
         assert done.returncode == 0, done.stderr
         _check_rank_command_line(_recorded(env, node), tmp_path, monkeypatch, nodes, per_node, node, endpoint)
 
 
 def test_launch_sh_needs_the_whole_placement():
     def launch(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(ROOT / "infra" / "launch.sh"), "--nproc", "2", *args, "--dry-run", "--",
-                               "train"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return progress.run(["bash", str(ROOT / "infra" / "launch.sh"), "--nproc", "2", *args, "--dry-run", "--",
+                             "train"], cwd=ROOT)
 
     assert "needs --node-rank 0..1" in launch("--nnodes", "2", "--rdzv-endpoint", "h:1").stderr
     assert "needs --rdzv-endpoint HOST:PORT" in launch("--nnodes", "2", "--node-rank", "1").stderr
@@ -123,10 +122,10 @@ def test_a_prefect_flow_run_becomes_the_sbatch_job_resuming_it(stand_ins):
     the flow run the worker started (its config read from the Prefect API)."""
     script = ROOT / "infra" / "slurm" / "flow-run.sh"
     env = {**stand_ins, "PREFECT__FLOW_RUN_ID": "0f5c6a7e-0000-4000-8000-000000000001"}
-    done = subprocess.run(["bash", str(script), "--nodes=2"], env=env, capture_output=True, text=True, timeout=60)
+    done = progress.run(["bash", str(script), "--nodes=2"], env=env)
     assert done.returncode == 0, done.stderr
     assert (Path(env["RECORD"]) / "sbatch").read_text().splitlines() == [
         "--wait", "--nodes=2", str(script.parent / "longstraw.sbatch"), "resume", env["PREFECT__FLOW_RUN_ID"]]
     env.pop("PREFECT__FLOW_RUN_ID")
-    unset = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    unset = progress.run(["bash", str(script)], env=env)
     assert unset.returncode != 0 and "set by the Prefect worker" in unset.stderr

@@ -192,7 +192,7 @@ def test_each_rank_reads_only_its_own_shard(tmp_path, monkeypatch):
 
     model = tiny_model("qwen3_5")
     prompt, _ = group()
-    state = ls.capture(model, prompt, CHUNK)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK))
     url = str(tmp_path / "state")
     assert all(prompt_chunks(PROMPT - 1, CHUNK, rank_of(r, 3)) == state.chunks for r in range(3))
     parts = [held(r, 3) for r in range(3)]  # each rank's block of each of the 5 chunks, interleaved
@@ -408,4 +408,4 @@ def test_capture_refuses_a_bad_boundary_interval():
     for bad in (0, -1, 1.5, True):  # EngineConfig refuses it: integers >= 1 only, strictly
         with pytest.raises(ValidationError, match=r"boundary_every\n"):
             ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK, boundary_every=bad), exact=True)
-    assert ls.capture(model, prompt, CHUNK).boundaries == {}  # the default keeps none
+    assert ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK)).boundaries == {}  # the default keeps none

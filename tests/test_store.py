@@ -37,7 +37,7 @@ def model_for(arch: str, dtype: torch.dtype = torch.float32):
 
 def captured(arch: str, dtype: torch.dtype = torch.float32):
     model = model_for(arch, dtype)
-    state = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
+    state = ls.capture(model, torch.randint(0, 97, (PROMPT,)), ls.EngineConfig(prompt_chunk=16))
     return model, state, WV
 
 
@@ -167,7 +167,7 @@ def test_the_whole_prompts_routing_is_read_back_from_every_shard(tmp_path):
 
     model = model_for("glm_moe_dsa")
     prompt = torch.randint(0, 97, (PROMPT,), generator=torch.Generator().manual_seed(1))
-    state = ls.capture(model, prompt, 16, record_routing=True)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16), record_routing=True)
     assert set(state.routing) == {1, 2} and state.routing[1].shape == (PROMPT - 1, GLM["num_experts_per_tok"])
     url = str(tmp_path / "state")
     parts = []
@@ -189,7 +189,7 @@ def test_the_whole_prompts_routing_is_read_back_from_every_shard(tmp_path):
         load_state_routing(url)
     assert e.value.where == url  # the whole state is recaptured
     plain = tmp_path / "plain"
-    save_state(ls.capture(model, prompt, 16), str(plain), weights_version=WV)
+    save_state(ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16)), str(plain), weights_version=WV)
     assert load_state_routing(str(plain)) is None
 
 def _kill_after(monkeypatch, calls: int) -> None:
@@ -218,7 +218,7 @@ def test_killed_writer_leaves_nothing_committed(tmp_path, monkeypatch):
 
 def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
     model, old, wv = captured("qwen3")
-    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
+    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), ls.EngineConfig(prompt_chunk=16))
     url = str(tmp_path / "state")
     save_state(old, url, weights_version=wv, shard_tokens=8)
     _kill_after(monkeypatch, 12)
@@ -237,7 +237,7 @@ def test_killed_writer_keeps_the_previous_state(tmp_path, monkeypatch):
 def test_manifest_is_written_last_and_a_failed_commit_is_undone(tmp_path, monkeypatch, previous, which):
     """`which` commit marker dies: the shard's (inside the temporary) or the state's (the swap's last step)."""
     model, old, wv = captured("qwen3")
-    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), 16)
+    new = ls.capture(model, torch.randint(0, 97, (PROMPT,)), ls.EngineConfig(prompt_chunk=16))
     url = tmp_path / "state"
     if previous:
         save_state(old, str(url), weights_version=wv, shard_tokens=8)

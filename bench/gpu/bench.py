@@ -181,13 +181,13 @@ def attention_inputs(cfg: dict, b: int, t: int, n: int, device, dtype, seed: int
 
 def attention_step(x: dict, kernel: str, dtype=None) -> list[torch.Tensor]:
     """`segment_attention` over the prefix, forward and backward: [out, dq, dk, dv, dprefix_k, dprefix_v]."""
-    from longstraw.ops.attention import segment_attention
+    from longstraw.ops.attention import SegmentContext, segment_attention
 
     x = {k: v.to(dtype) if dtype else v for k, v in x.items()}
     q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
     gk, gv = torch.zeros_like(x["pk"]), torch.zeros_like(x["pv"])
-    out = segment_attention(q, k, v, q.shape[-1] ** -0.5, prefix=(x["pk"], x["pv"]), prefix_grad=(gk, gv),
-                            kernel=kernel)
+    out = segment_attention(q, k, v, q.shape[-1] ** -0.5,
+                            SegmentContext(prefix=(x["pk"], x["pv"]), prefix_grad=(gk, gv), kernel=kernel))
     out.backward(x["do"])
     return [out.detach(), q.grad, k.grad, v.grad, gk, gv]
 
@@ -371,7 +371,8 @@ def capture(b: "Bench", reserve: float) -> dict[int, float]:
             prompt = torch.randint(0, b.cfg["vocab_size"], (p,))
             _peak_reset(b.device)
             out: dict = {}
-            sec = _timed(lambda: out.setdefault("state", ls.capture(b.model, prompt, b.chunk)), b.device)
+            engine = ls.EngineConfig(prompt_chunk=b.chunk)
+            sec = _timed(lambda: out.setdefault("state", ls.capture(b.model, prompt, engine)), b.device)
             state_bytes = out.pop("state").nbytes
             flops = forward_flops(b.cfg, b.params, p, 0)
             b.log.add("capture", P=p, seconds=sec, tokens_per_s=p / sec, tflops=flops / sec / 1e12,
@@ -379,7 +380,7 @@ def capture(b: "Bench", reserve: float) -> dict[int, float]:
             done[p], per_p2 = sec, sec / p**2
             if p <= 524288 and 1.3 * sec <= b.clock.left - reserve:
                 with profiled(b.device) as prof:
-                    wall = _timed(lambda: ls.capture(b.model, prompt, b.chunk), b.device)
+                    wall = _timed(lambda: ls.capture(b.model, prompt, ls.EngineConfig(prompt_chunk=b.chunk)), b.device)
                 b.log.add("profile", P=p, seconds=wall, **split(prof, b.device))
     return done
 
@@ -389,13 +390,13 @@ def planned_peak(b: "Bench", p: int) -> tuple[float, float]:
     pinned), with its weights and gradients but no optimizer (the bench takes no optimizer step); and the seconds
     the plan took (its activation profile, measured once, is most of it)."""
     from longstraw.tools.activations import activation_profile
-    from longstraw.tools.plan import plan
+    from longstraw.tools.plan import Cluster, EngineChoice, Workload, plan
 
     t0 = time.perf_counter()
     if b.profile is None:
         b.profile = activation_profile(b.cfg)
-    pl = plan(b.cfg, p, 1, b.gpu_gb, zero=0, chunk=b.chunk, checkpoint_layers=b.ckpt, responses=b.g,
-              response_tokens=b.r, precision="bf16", profile=b.profile)
+    pl = plan(b.cfg, Workload(p, responses=b.g, response_tokens=b.r), Cluster(1, b.gpu_gb, zero=0, precision="bf16"),
+              EngineChoice(chunk=b.chunk, checkpoint_layers=b.ckpt, profile=b.profile))
     weights_grads = (2 + 2) * pl["parameters"]
     return pl["exact_bytes"] - pl["per_rank"]["weights, gradients, optimizer"] + weights_grads, \
         time.perf_counter() - t0
@@ -448,7 +449,7 @@ def decode(b: "Bench", p: int) -> None:
     graphs. Each run is predicted from the one before of its kind (a first compile: about a minute)."""
     from torch._dynamo.utils import counters
 
-    state = ls.capture(b.model, torch.randint(0, b.cfg["vocab_size"], (p,)), b.chunk)
+    state = ls.capture(b.model, torch.randint(0, b.cfg["vocab_size"], (p,)), ls.EngineConfig(prompt_chunk=b.chunk))
     backend = "eager" if b.dry else True  # the dry run traces with the eager backend: the capture, no codegen
     first = (0.2, 2.0) if b.dry else (10.0, 90.0)  # seconds of a first eager / compiled pair of runs
     for compile, static in ((False, False), (backend, True), (backend, False)):
@@ -466,8 +467,9 @@ def decode(b: "Bench", p: int) -> None:
                 for _ in range(2):
                     out: dict = {}
                     runs.append(_timed(lambda: out.setdefault("s", ls.rollout(
-                        b.model, state, n=n, max_new_tokens=b.decode_tokens, temperature=1.0, seed=0,
-                        compile=compile, static_shapes=static)), b.device))
+                        b.model, state, ls.SamplingSettings(max_new_tokens=b.decode_tokens, temperature=1.0),
+                        ls.Draw(n=n, seed=0), decode=ls.DecodeOptions(compile=compile, static_shapes=static))),
+                        b.device))
                 made = sum(len(s.tokens) for s in out["s"])
                 b.log.add("decode", P=p, n=n, compile="inductor" if compile is True else compile or "off",
                           static=static, tokens=made, seconds=runs[1], warm_s=runs[0],

@@ -65,7 +65,7 @@ def sdpa_kernels(device: torch.device, dtype: torch.dtype, heads: int = 24, kv_h
     """The aten ops of one causal grouped-query attention forward and backward, through torch's
     `scaled_dot_product_attention(enable_gqa=True)` and through the library's `segment_attention` over a prefix
     (kernel "auto"): which kernel runs, and whether anything repeats the key/value heads."""
-    from longstraw.ops.attention import choose_kernel, segment_attention
+    from longstraw.ops.attention import SegmentContext, choose_kernel, segment_attention
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g, requires_grad=True)
@@ -75,7 +75,8 @@ def sdpa_kernels(device: torch.device, dtype: torch.dtype, heads: int = 24, kv_h
     out = {"choose_kernel": choose_kernel(device.type, dtype, dim, dim)}
     for name, run in (("torch_sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                             enable_gqa=True)),
-                      ("segment_attention", lambda: segment_attention(q, k, v, dim**-0.5, prefix=prefix))):
+                      ("segment_attention",
+                       lambda: segment_attention(q, k, v, dim**-0.5, SegmentContext(prefix=prefix)))):
         try:
             with _OpNames() as fwd:
                 o = run()

@@ -28,18 +28,44 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str: ...
 
 
-def plain_chat(messages: list[dict]) -> str:
-    """The fixed chat format used when a tokenizer has no (renderable) template of its own."""
+# how the plain format asks for tool calls: the same <tool_call> JSON as Qwen3's templates
+PLAIN_TOOL_FORMAT = ('To call a tool, write <tool_call>\n{"name": <tool name>, "arguments": {<arguments>}}\n'
+                     '</tool_call>. The tools:')
+
+
+def _plain_tool_call(call: dict) -> str:
+    """An assistant message's structured tool call ({"function": {"name", "arguments"}}) as <tool_call> JSON."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or "name" not in fn:
+        raise ValueError(f"tool call {call!r} must be {{'type': 'function', 'function': {{'name': ..., "
+                         f"'arguments': {{...}}}}}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):  # HF allows the arguments as a JSON string
+        args = json.loads(args)
+    call_json = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+    return f"<tool_call>\n{call_json}\n</tool_call>"
+
+
+def plain_chat(messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    """The fixed chat format used when a tokenizer has no (renderable) template of its own. With `tools` (function
+    schemas), a `<|tools|>` block first lists them; tool results are messages of role "tool"."""
     parts = []
+    if tools:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        parts.append(f"<|tools|>\n{PLAIN_TOOL_FORMAT}\n{listed}\n")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
             raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
-        parts.append(f"<|{m['role']}|>\n{m['content']}\n")
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            content = "\n".join(([content] if content else []) + [_plain_tool_call(c) for c in m["tool_calls"]])
+        parts.append(f"<|{m['role']}|>\n{content}\n")
     # ends with the assistant header so that generation continues as the assistant
-    return "".join(parts) + "<|assistant|>\n"
+    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 class ByteTokenizer:
@@ -61,8 +87,9 @@ class ByteTokenizer:
         data = bytes(i for i in (int(x) for x in ids) if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return plain_chat(messages)
+    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        return plain_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -168,14 +195,17 @@ class HFTokenizer:
         # like ByteTokenizer: ids the vocabulary lacks are skipped (tokenizers skips large ones, not negative ones)
         return self._tok.decode([i for i in (int(x) for x in ids) if i >= 0], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str:
         if self.chat_template is None or not _has_jinja2():
-            return plain_chat(messages)
+            return plain_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         if self._compiled is None:
             self._compiled = _compile_template(self.chat_template)
+        # `tools` is passed only when given, so renderings without tools stay what they were
+        extra = {"tools": tools} if tools else {}
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except Exception as e:
             raise ValueError(f"the chat template of {self.directory} failed to render these messages: {e}") from e
 

@@ -16,7 +16,7 @@ from .chunks import chunk_ranges
 from .config import DEFAULT_CHUNK, EngineConfig
 from .entropy import with_entropy_weights
 from .gradients import reduce_gradients
-from .grpo import MODES, grpo_backward, naive_backward, naive_entropies
+from .grpo import MODES, grpo_backward, naive_backward, naive_entropies, naive_plan
 from .policy import Plan, plan_group, sqrt_interval
 from .prompt import prompt_backward
 from .replay import group_entropies, replay, score
@@ -38,6 +38,7 @@ __all__ = [
     "group_entropies",
     "naive_backward",
     "naive_entropies",
+    "naive_plan",
     "new_dstate",
     "plan_group",
     "prompt_backward",

@@ -18,7 +18,7 @@ from ..parallel.fsdp import gathered_once
 from ..state import LayerState, PrefixState, boundary_states
 from .chunks import (Kept, check_prompt, chunk_segment, chunk_with_graph, empty_state, run_chunk, store_chunk,
                      store_routing)
-from .config import EngineConfig
+from .config import EngineConfig, check_engine
 from .policy import Plan, plan_group
 from .routing import LayerRouting, empty_routing, held_routing
 
@@ -32,16 +32,11 @@ class PromptGraphs:
     kept: dict[int, Kept]
 
 
-def as_engine(engine: EngineConfig | int) -> EngineConfig:
-    """An EngineConfig, or a prompt chunk size standing for the default one with that chunk."""
-    return engine if isinstance(engine, EngineConfig) else EngineConfig(prompt_chunk=engine)
-
-
 @torch.no_grad()
 def capture(
     model: PrefixLM,
     prompt_ids,
-    engine: EngineConfig | int = EngineConfig(),
+    engine: EngineConfig = EngineConfig(),
     *,
     plan: Plan | None = None,
     parallel: SequenceGroup = ONE_RANK,
@@ -50,8 +45,7 @@ def capture(
     record_routing: bool = False,
     routing: LayerRouting | None = None,
 ) -> PrefixState:
-    """State of `prompt[:-1]` per layer, computed chunk by chunk (`engine.prompt_chunk` tokens; an int: the default
-    EngineConfig with that prompt chunk) without autograd;
+    """State of `prompt[:-1]` per layer, computed chunk by chunk (`engine.prompt_chunk` tokens) without autograd;
     this rank's shard of it on a sequence-parallel group (every rank passes the same prompt).
 
     `exact=True`: also keep the boundary states at every `state.boundary_every`-th chunk start (one rank of the
@@ -63,25 +57,26 @@ def capture(
     with the state (`state.routing`, this rank's rows), and `routing` (the whole `prompt[:-1]`'s, by MoE layer)
     routes the prompt's tokens as it says and is kept likewise; every later recompute of the prompt's chunks
     (exact mode's prompt backward) then routes as the state says."""
-    engine = as_engine(engine)
+    engine = check_engine(engine, "capture")
     p = next(model.parameters())
-    parallel.check_agree("capture settings", {**engine.model_dump(), "exact": exact, "dtype": str(p.dtype),
-                                              "model": model.config.fingerprint,
-                                              "routing": "given" if routing is not None else record_routing})
     prompt = check_prompt(model, prompt_ids, parallel)
-    state = empty_state(model, prompt, engine.prompt_chunk, parallel)
-    recording = routing is None and record_routing
-    if routing is not None:
-        state.routing = held_routing(model, routing, state)
-    elif record_routing:
-        state.routing = empty_routing(model, state.rows.rows, state.prompt_ids.device)
-        recording = state.routing is not None
     if plan is None:  # capture's own autograd is the kept graphs' alone: without any, nothing is measured for it
         plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact,
                           grad=exact and engine.prompt_graph_budget != 0)
     elif plan.prompt_chunk != engine.prompt_chunk:
         raise ValueError(f"capture's plan is for prompt chunks of {plan.prompt_chunk}, its engine's are "
                          f"{engine.prompt_chunk}: resolve the plan from the same EngineConfig (policy.plan_group)")
+    # what the ranks run is the plan's decisions, whatever settings led to them
+    parallel.check_agree("capture settings", {**plan.decisions(), "exact": exact, "dtype": str(p.dtype),
+                                              "model": model.config.fingerprint,
+                                              "routing": "given" if routing is not None else record_routing})
+    state = empty_state(model, prompt, plan.prompt_chunk, parallel)
+    recording = routing is None and record_routing
+    if routing is not None:
+        state.routing = held_routing(model, routing, state)
+    elif record_routing:
+        state.routing = empty_routing(model, state.rows.rows, state.prompt_ids.device)
+        recording = state.routing is not None
     n = len(state.chunks)
     first_kept = n - plan.kept_graphs if exact else n
     if exact:

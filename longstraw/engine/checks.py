@@ -44,7 +44,10 @@ def check_positions(prompt_len: int, responses: list[torch.Tensor], model_config
             prompt_len + longest))
 
 
-def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what: str) -> list[torch.Tensor] | None:
+def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what: str,
+                    nan_outside: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    """Per-token values, one finite value per response token. `nan_outside` (each response's mask): NaN is
+    allowed where the mask is False (tokens the model did not write, which the sampler never scored)."""
     if values is None:
         return None
     if len(values) != len(responses):
@@ -54,10 +57,33 @@ def check_per_token(values: Sequence | None, responses: list[torch.Tensor], what
         v = torch.as_tensor(v, dtype=torch.float32 if not torch.is_tensor(v) else None).flatten()
         if v.numel() != r.numel():
             raise ValueError(f"{what}[{i}] has {v.numel()} values for a response of {r.numel()} tokens")
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{what}[{i}] holds non-finite values (NaN or inf); log-probs must be finite "
-                             "(recompute them, or check the sampler)")
+        bad = ~torch.isfinite(v)
+        if nan_outside is not None:
+            bad &= ~(torch.isnan(v) & ~nan_outside[i].to(v.device))
+        if bad.any():
+            wrote = ", which the model wrote" if nan_outside is not None else ""
+            raise ValueError(f"{what}[{i}] holds non-finite values (NaN or inf) at token {int(bad.nonzero()[0])}"
+                             f"{wrote}; log-probs must be finite (recompute them, or check the sampler)")
         out.append(v)
+    return out
+
+
+def as_masks(masks: Sequence | None, responses: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each response's loss mask (bool [R_i], True where the model wrote the token), checked; None: all."""
+    if masks is None:
+        return None
+    if len(masks) != len(responses):
+        raise ValueError(f"masks has {len(masks)} entries for {len(responses)} responses (one bool mask each)")
+    out = []
+    for i, (m, r) in enumerate(zip(masks, responses)):
+        m = torch.as_tensor(m)
+        if m.dtype != torch.bool:
+            raise ValueError(f"masks[{i}] has dtype {m.dtype}; a mask is bool, True where the model wrote the "
+                             "token (pass mask.bool())")
+        m = m.flatten()
+        if m.numel() != r.numel():
+            raise ValueError(f"masks[{i}] has {m.numel()} values for a response of {r.numel()} tokens")
+        out.append(m)
     return out
 
 

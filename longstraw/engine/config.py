@@ -41,3 +41,11 @@ class EngineConfig(BaseModel):
         None, ge=1, strict=True, description="tokens (all rows' positions together) per chunk of the LM head and "
         "log-softmax in branch replay and naive mode; a chunk's logits are recomputed in the backward, so those of "
         "all tokens never exist at once; default: 2**26 // vocab (256 MiB of fp32 logits a chunk)")
+
+
+def check_engine(engine: object, op: str) -> EngineConfig:
+    """`engine` if it is an EngineConfig; a clear TypeError otherwise (an int used to stand for a prompt chunk)."""
+    if isinstance(engine, EngineConfig):
+        return engine
+    hint = f"EngineConfig(prompt_chunk={engine})" if isinstance(engine, int) else "EngineConfig(...)"
+    raise TypeError(f"{op}'s engine must be an EngineConfig, got {type(engine).__name__} {engine!r}: pass {hint}")

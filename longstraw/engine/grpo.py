@@ -26,9 +26,9 @@ from .branches import Branches
 from .capture import capture, new_dstate
 from .checks import check_positions
 from .chunks import check_prompt
-from .config import EngineConfig
+from .config import EngineConfig, check_engine
 from .gradients import gradients_summed_over_dp
-from .policy import plan_group
+from .policy import Plan, plan_group
 from .prompt import prompt_backward
 from .routing import Routing, check_replay, joined
 from .entropy import with_entropy_weights
@@ -48,6 +48,7 @@ def grpo_backward(
     ref_logprobs: Sequence | None = None,
     sampler_logprobs: Sequence | None = None,
     truncated: Sequence[bool] | None = None,
+    masks: Sequence | None = None,
     routing: Routing | None = None,
     config: GRPOConfig | None = None,
     engine: EngineConfig | None = None,
@@ -59,24 +60,29 @@ def grpo_backward(
     `old_logprobs=None` is on-policy (ratio 1). `ref_logprobs` is needed when `config.kl_coef > 0`,
     `sampler_logprobs` (each token's log-prob under the distribution the sampler drew it from) by
     `config.rollout_correction` (and used by the off-policy mask), `truncated` (one bool per response: it hit the
-    length limit) by `config.mask_truncated_completions`. On a sequence-parallel group every rank passes the same
-    group; the prefix state is sharded over the ranks, and afterwards every rank's `param.grad` is the one-process
-    gradient.
+    length limit) by `config.mask_truncated_completions`. `masks` (one bool per token of each response, True where
+    the model wrote it; None: all): a multi-turn branch's tool output is attended to but weighs 0 in the loss and
+    counts in no statistic (the sampler's log-probs may be NaN there). On a sequence-parallel group every rank
+    passes the same group; the prefix state is sharded over the ranks, and afterwards every rank's `param.grad` is
+    the one-process gradient.
 
     `routing` (MoE routing replay, engine/routing.py): the branches' tokens go to the experts it gives each (and
     naive mode's prompt tokens to the prompt's); exact and detached mode record the prompt's routing at capture, or
     take the one given, and the prompt backward routes as capture did.
     """
-    loss, engine = config or GRPOConfig(), engine or EngineConfig()
+    loss, engine = config or GRPOConfig(), check_engine(engine or EngineConfig(), "grpo_backward")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
     if mode == "naive" and parallel.size * parallel.dp_size > 1:
         raise ValueError("naive mode is the one-process reference and has no state to shard; run it on one rank")
-    parallel.check_agree("grpo_backward settings", {"mode": mode, **loss.model_dump(), **engine.model_dump()})
     prompt = check_prompt(model, prompt_ids, parallel)
+    exact = mode == "exact"
+    # naive mode has no state to plan for, and its forwards are never checkpointed
+    plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact, grad=mode != "naive")
+    parallel.check_agree("grpo_backward settings", {"mode": mode, **loss.model_dump(), **plan.decisions()})
     branches = Branches.group(responses, advantages, loss, vocab_size=model.config.vocab_size,
                               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                              sampler_logprobs=sampler_logprobs, truncated=truncated)
+                              sampler_logprobs=sampler_logprobs, truncated=truncated, masks=masks)
     parallel.check_same(torch.cat([torch.tensor([len(r) for r in branches.tokens]), *branches.tokens]), "responses")
     check_positions(prompt.numel(), branches.tokens, model.config)
     if routing is not None:
@@ -87,13 +93,10 @@ def grpo_backward(
     state_bytes = grad_bytes = 0
     prompt_routing = None if routing is None else routing.prompt
     if mode == "naive":
-        plan = plan_group(model, engine, prompt.numel(), exact=False, grad=False)  # no state to plan for
         branches = with_entropy_weights(branches, loss, lambda: naive_entropies(
-            model, prompt, branches, engine=engine, prompt_routing=prompt_routing))
-        totals = naive_backward(model, prompt, branches, loss, progress, engine=engine, prompt_routing=prompt_routing)
+            model, prompt, branches, plan=plan, prompt_routing=prompt_routing))
+        totals = naive_backward(model, prompt, branches, loss, progress, plan=plan, prompt_routing=prompt_routing)
     else:
-        exact = mode == "exact"
-        plan = plan_group(model, engine, prompt.numel(), parallel=parallel, exact=exact)
         with gradients_summed_over_dp(model, parallel):
             state = capture(model, prompt, engine, plan=plan, parallel=parallel, exact=exact, progress=progress,
                             record_routing=routing is not None, routing=prompt_routing)
@@ -110,14 +113,15 @@ def grpo_backward(
                                        progress=progress)
 
     tokens = branches.token_count
+    counted = max(branches.model_token_count, 1)  # the statistics' tokens: the model's
     sampled = max(totals["sampler_tokens"], 1.0)
     return {
         "mode": mode,
         "loss": totals["loss"],
-        "clip_frac": totals["clipped_tokens"] / tokens,
-        "kl": totals["kl_sum"] / tokens,
-        "entropy": totals["entropy_sum"] / tokens,
-        "entropy_kept_frac": totals["entropy_kept_tokens"] / tokens,
+        "clip_frac": totals["clipped_tokens"] / counted,
+        "kl": totals["kl_sum"] / counted,
+        "entropy": totals["entropy_sum"] / counted,
+        "entropy_kept_frac": totals["entropy_kept_tokens"] / counted,
         "off_policy_masked": totals["off_policy_masked"],
         "sampler_logp_diff_mean": totals["mismatch_abs_sum"] / sampled,
         "sampler_logp_diff_max": totals["mismatch_abs_max"],
@@ -133,34 +137,42 @@ def grpo_backward(
 
 
 def naive_backward(model: PrefixLM, prompt: torch.Tensor, branches: Branches, loss: GRPOConfig,
-                   progress: bool = False, *, engine: EngineConfig = EngineConfig(),
+                   progress: bool = False, *, engine: EngineConfig = EngineConfig(), plan: Plan | None = None,
                    prompt_routing: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Every branch forwards prompt + response with autograd (the reference); returns the loss statistics. The
-    LM head runs over the response's positions only, `engine.head_chunk` tokens at a time. MoE routing replay:
-    `prompt_routing` (prompt[:-1]'s) and `branches.routing` route the tokens."""
+    LM head runs over the response's positions only, `plan.head_chunk` tokens at a time (`plan`: naive mode's,
+    `naive_plan`; resolved from `engine` if not given). MoE routing replay: `prompt_routing` (prompt[:-1]'s) and
+    `branches.routing` route the tokens."""
+    plan = plan or naive_plan(model, engine, prompt)
     totals = new_totals()
     entropy = "grad" if loss.entropy_coef > 0.0 else True
-    for i, logp, ent in _naive_branches(model, prompt, branches, engine, prompt_routing, entropy, progress):
+    for i, logp, ent in _naive_branches(model, prompt, branches, plan, prompt_routing, entropy, progress):
         loss_backward(branches.select([i]), [logp[0]], loss, totals, [ent[0]])
     return totals
 
 
 @torch.no_grad()
 def naive_entropies(model: PrefixLM, prompt: torch.Tensor, branches: Branches, *,
-                    engine: EngineConfig = EngineConfig(),
+                    engine: EngineConfig = EngineConfig(), plan: Plan | None = None,
                     prompt_routing: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Each branch's per-token entropies from a full forward of prompt + response, routed as its loss will be
-    (naive mode's pre-pass for the entropy options)."""
-    return [ent[0] for _, _, ent in _naive_branches(model, prompt, branches, engine, prompt_routing, True)]
+    (naive mode's pre-pass for the entropy options). `plan`: as `naive_backward`'s."""
+    plan = plan or naive_plan(model, engine, prompt)
+    return [ent[0] for _, _, ent in _naive_branches(model, prompt, branches, plan, prompt_routing, True)]
 
 
-def _naive_branches(model: PrefixLM, prompt: torch.Tensor, branches: Branches, engine: EngineConfig,
+def naive_plan(model: PrefixLM, engine: EngineConfig, prompt: torch.Tensor) -> Plan:
+    """Naive mode's plan: no state to plan for, and its forwards are never checkpointed (one process)."""
+    return plan_group(model, check_engine(engine, "naive mode"), prompt.numel(), exact=False, grad=False)
+
+
+def _naive_branches(model: PrefixLM, prompt: torch.Tensor, branches: Branches, plan: Plan,
                     prompt_routing: dict[int, torch.Tensor] | None, entropy: bool | str, progress: bool = False
                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Branch by branch: (i, log-probs [1, R_i], entropies [1, R_i]) of a full forward of prompt + response i
     (the model's autograd as the caller's mode), the LM head over the response's positions only."""
     device = next(model.parameters()).device
-    head_chunk = plan_group(model, engine, prompt.numel(), exact=False, grad=False).head_chunk
+    head_chunk = plan.head_chunk
     for i in tqdm(range(len(branches)), desc="naive branches", unit="branch", disable=not progress, leave=False):
         r = branches.tokens[i].to(device)
         seg = Segment(routing=joined(prompt_routing, None if branches.routing is None else branches.routing[i],

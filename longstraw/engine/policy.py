@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -83,6 +84,11 @@ class Plan:
         """The plan as flat parameters (an op's result's `plan`, which the pipeline logs as MLflow params)."""
         return asdict(self)
 
+    def decisions(self) -> dict[str, int | str | bool]:
+        """What the plan decided, which every rank must run alike (the ranks' agreement checks compare it); not
+        the free memory it was decided from."""
+        return {k: v for k, v in asdict(self).items() if k != "free_bytes"}
+
     def ran(self, boundary_every: int, kept_graphs: int) -> "Plan":
         """This plan as an op on a captured state ran it: with the state's boundary interval and kept graphs."""
         return replace(self, boundary_every=boundary_every, kept_graphs=kept_graphs)
@@ -134,11 +140,14 @@ def model_costs(model: PrefixLM, chunks: list[tuple[int, int]], parallel: Sequen
     p = next(model.parameters())
     fixed = sum(s.fixed_bytes for s in model.empty_state(0, p.dtype, p.device))
     layers = len(model.decoder_layers)
+    # measured on each rank (ZeRO-3's shards can make it differ a little): the ranks take the largest, once, so that
+    # the thresholds built on it, and so their decisions, agree
+    measured = cache(lambda: -parallel.agree_min(-activation_bytes_per_token(model)))
     return Costs(chunk_tokens=tuple(e - s for s, e in chunks), ranks=parallel.size, fixed_bytes=fixed,
                  layer_major_bytes=layer_major_bytes(layers, held_rows(chunks, parallel).rows,
                                                      model.config.hidden_size * p.element_size(), fixed, len(chunks)),
                  layer_major_auto=bool(gathers_per_use(model)) and model.layers_stand_alone,
-                 activation_bytes_per_token=lambda: activation_bytes_per_token(model),
+                 activation_bytes_per_token=measured,
                  checkpointed_bytes_per_token=checkpointed_bytes_per_token(model), vocab_size=model.config.vocab_size)
 
 
@@ -151,10 +160,12 @@ def layer_major_bytes(layers: int, rows: float, hidden_bytes: int, fixed_bytes: 
 
 def plan_group(model: PrefixLM, engine: EngineConfig, prompt: int | PrefixState, *,
                parallel: SequenceGroup = ONE_RANK, exact: bool, grad: bool = True) -> Plan:
-    """The plan of a group on `model` (`resolve` of its measured costs), with the free memory the ranks agree on
-    (the least of theirs: a recomputed layer repeats its collectives, so they must decide alike). `prompt`: the
-    prompt's length in tokens (before capture), or its captured state, whose chunks, boundary interval and kept
-    graphs the plan then takes."""
+    """The plan of a group on `model` (`resolve` of its measured costs), with the free memory and activation cost
+    the ranks agree on (the least free, the largest cost: a recomputed layer repeats its collectives, so they must
+    decide alike). `prompt`: the prompt's length in tokens (before capture), or its captured state, whose chunks,
+    boundary interval and kept graphs the plan then takes. The ranks' `engine`s must be the same (checked first:
+    what the plan measures depends on them); the ops then check that their plans are."""
+    parallel.check_agree("engine settings", engine.model_dump())
     if engine.prompt_order == "layers" and not model.layers_stand_alone:
         raise ValueError("prompt_order 'layers' runs each layer apart, but this model's DSA layers reuse an earlier "
                          "layer's top-k selection (indexer_types 'shared'); use prompt_order 'chunks' or 'auto'")

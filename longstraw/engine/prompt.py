@@ -23,7 +23,7 @@ from ..parallel import ONE_RANK, SequenceGroup
 from ..state import LayerState, PrefixState, boundary_states
 from .checks import check_state
 from .chunks import block_rows, chunk_with_graph, run_chunk
-from .config import EngineConfig
+from .config import EngineConfig, check_engine
 from .gradients import gradients_summed_over_group
 from .policy import Plan, plan_group
 from .prompt_by_layer import prompt_backward_by_layer
@@ -49,15 +49,16 @@ def prompt_backward(model: PrefixLM, state: PrefixState, dstate: dict[int, Layer
     (one layer at a time already), after the kept ones. Chunk by chunk, `checkpoint_layers` recomputes each layer
     of a chunk in its backward. `last_chunks`: only the last ones chunk by chunk (a partial gradient: `longstraw
     plan --rehearse` runs the peak's representatives)."""
+    engine = check_engine(engine, "prompt_backward")
     check_state(model, state, parallel)
     if plan is None:
         plan = plan_group(model, engine, state, parallel=parallel, exact=True)
     plan = plan.ran(state.boundary_every, 0 if state.graphs is None else len(state.graphs.kept))
     by_layer = plan.prompt_order == "layers"
+    # the plan as run (its order, checkpointing, boundary interval) and which chunks' graphs the state kept
     parallel.check_agree("prompt backward settings", {
-        "chunks": len(state.chunks), "boundary_every": state.boundary_every, "by_layer": by_layer,
-        "kept_graphs": [] if state.graphs is None else sorted(state.graphs.kept),
-        "checkpoint_layers": engine.checkpoint_layers})
+        **plan.decisions(), "chunks": len(state.chunks),
+        "kept_chunks": [] if state.graphs is None else sorted(state.graphs.kept)})
     checkpointed = plan.checkpoint_layers
     kept = {}
     if state.graphs is not None:  # the kept graphs add into their own buffer: make it the one

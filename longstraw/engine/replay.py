@@ -19,7 +19,7 @@ from ..segment import PrefixView, Segment
 from ..state import LayerState, PrefixState
 from .branches import Branches
 from .checks import as_responses, check_positions, check_state
-from .config import EngineConfig
+from .config import EngineConfig, check_engine
 from .gradients import gradients_summed_over_group
 from .policy import Plan, plan_group
 from .routing import Routing, batch_routing, check_replay
@@ -69,19 +69,22 @@ def replay_logprobs(
 
 @torch.no_grad()
 def score(model: PrefixLM, state: PrefixState, responses: Sequence, *, engine: EngineConfig = EngineConfig(),
-          parallel: SequenceGroup = ONE_RANK, routing: Sequence[dict[int, torch.Tensor] | None] | None = None
-          ) -> list[torch.Tensor]:
+          plan: Plan | None = None, parallel: SequenceGroup = ONE_RANK,
+          routing: Sequence[dict[int, torch.Tensor] | None] | None = None) -> list[torch.Tensor]:
     """Per-token log-probabilities of each response given the captured prompt (no autograd), `engine.branch_batch`
     responses at a time, the LM head over `engine.head_chunk` tokens at a time. `routing`: each response's MoE
     routing to replay (`Sample.routing`; engine/routing.py), as the loss will. On a group, every rank passes its
-    shard of the state and the same responses, and gets the same result."""
+    shard of the state and the same responses, and gets the same result. `plan`: the group's (engine/policy.py,
+    resolved without autograd), resolved from `engine` and the state if not given."""
+    engine = check_engine(engine, "score")
     check_state(model, state, parallel)
     resp = as_responses(responses, model.config.vocab_size)
     check_positions(state.length + 1, resp, model.config)
     if routing is not None:
         routing = list(check_replay(model, Routing(branches=routing), state.length, resp).branches)
-    plan = plan_group(model, engine, state, parallel=parallel, exact=False, grad=False)
-    parallel.check_agree("score settings", {"branch_batch": plan.branch_batch, "branches": len(resp)})
+    if plan is None:
+        plan = plan_group(model, engine, state, parallel=parallel, exact=False, grad=False)
+    parallel.check_agree("score settings", {**plan.decisions(), "branches": len(resp)})
     batch = plan.branch_batch
     out: list[torch.Tensor] = []
     for b in range(0, len(resp), batch):
@@ -118,15 +121,19 @@ def loss_backward(branches: Branches, logps: list[torch.Tensor], loss: GRPOConfi
         li, st = branch_loss(lp, float(branches.advantages[i]), branches.token_weights[i], loss,
                              per(branches.old_logprobs, i), per(branches.ref_logprobs, i),
                              per(branches.sampler_logprobs, i), ent,
-                             None if keep is None else keep.to(lp.device), per(branches.bonus_weights, i) or 0.0)
+                             None if keep is None else keep.to(lp.device), per(branches.bonus_weights, i) or 0.0,
+                             mask=branches.mask(i))
         total = total + li
         if branches.token_weights[i] == 0.0:  # a filler, or a truncated response masked out: in no statistic
             continue
         for key, val in st.items():
             totals[key] = max(totals[key], val) if key in LOSS_MAXIMA else totals[key] + val
+        mask = branches.mask(i)  # the model's tokens: the only ones a statistic counts
         if ent is not None:
-            totals["entropy_sum"] += float(ent.detach().sum())
-        totals["entropy_kept_tokens"] += float(lp.numel() if keep is None else keep.sum())
+            ent = ent.detach() if mask is None else ent.detach()[mask.to(ent.device)]
+            totals["entropy_sum"] += float(ent.sum())
+        totals["entropy_kept_tokens"] += float((lp.numel() if mask is None else mask.sum()) if keep is None
+                                               else keep.sum())
     total.backward()
 
 
@@ -183,12 +190,13 @@ def replay(
     `branches` may be a slice of a group (their token weights are the whole group's), so a group can be split over
     several calls, or over the data-parallel groups, whose buffers add up. Returns the loss statistics summed over
     the data-parallel groups (a collective over them: each group replays its slice)."""
+    engine = check_engine(engine, "replay")
     check_state(model, state, parallel)
     check_positions(state.length + 1, branches.tokens, model.config)
     if plan is None:
         plan = plan_group(model, engine, state, parallel=parallel, exact=dstate is not None)
-    parallel.check_agree("replay settings", {"branch_batch": plan.branch_batch, "exact": dstate is not None,
-                                             "branches": len(branches), "checkpoint_layers": engine.checkpoint_layers})
+    parallel.check_agree("replay settings", {**plan.decisions(), "exact": dstate is not None,
+                                             "branches": len(branches)})
     # the ranks of a group replay their own share of the branches (their queries visit every rank's rows), padded
     # with fillers to a multiple of the group
     spread = parallel.size > 1

@@ -5,7 +5,7 @@ A routing is, by MoE decoder layer, the expert ids [tokens, top_k] of a run of t
   capture never runs): capture records it (or takes it) and keeps it with the state (`PrefixState.routing`, this
   rank's rows), and every recompute of the prompt's chunks routes as it says;
 - a branch's covers its replayed inputs, `[prompt[-1]] + response[:-1]`: one row per response token, the experts
-  of the decode step that sampled it (`rollout(record_routing=True)`, `Sample.routing`).
+  of the decode step that sampled it (`SamplingSettings(record_routing=True)`, `Sample.routing`).
 
 A router replaying a routing still weighs the experts by its own scores at those ids (normalised as usual), so it
 keeps its gradient. Ids are stored in the narrowest integer dtype (`expert_id_dtype`: GLM-5's 256 experts in
@@ -44,7 +44,8 @@ def check_routing(model: torch.nn.Module, routing: LayerRouting, tokens: int, wh
     routing = {j: ids for j, ids in routing.items() if not prompt or j != len(model.decoder_layers) - 1}
     if set(routing) != set(routers):
         raise ValueError(f"{what} has layers {sorted(routing)}, but the model's MoE layers are {sorted(routers)}: "
-                         "record it with the same model (rollout(record_routing=True), capture(record_routing=True))")
+                         "record it with the same model (SamplingSettings(record_routing=True), "
+                         "capture(record_routing=True))")
     out = {}
     for j, ids in sorted(routing.items()):
         router = routers[j]

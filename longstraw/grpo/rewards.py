@@ -3,13 +3,13 @@ the function does not apply to that response."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import re
 from typing import Any, Callable, Sequence
 
 from ..problems import PROBLEMS
+from ..named import load_named
 from ..problems.base import first_number, need
 
 log = logging.getLogger("longstraw")
@@ -41,22 +41,7 @@ def get_reward(spec: str) -> RewardFn:
     if ":" not in spec:
         raise ValueError(f"unknown reward {spec!r}; registered rewards: {', '.join(reward_names())}; "
                          f"or give your own as 'module:function'")
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected 'module:function', e.g. 'my_rewards:score'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e}); check the name and that "
-                         f"its directory is on PYTHONPATH") from e
-    for part in attr.split("."):  # 'Class.method' works as well as 'function'
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward {spec!r} is a {type(obj).__name__}, not a function; it must be callable as "
-                        f"fn(prompt_meta: dict, response_text: str) -> float")
-    return obj
+    return load_named(spec, "reward", "my_rewards:score", "fn(prompt_meta: dict, response_text: str) -> float")
 
 
 def _as_reward(value: Any) -> float | None:

@@ -16,6 +16,7 @@ gradient is the same on every rank (parallel/sequence.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -348,9 +349,26 @@ def _prefix_part(q: Tensor, pk: Tensor, pv: Tensor, scale: float, kernel: str, p
     return (*merge_over(parallel, o, lse), aux)
 
 
+@dataclass(frozen=True)
+class SegmentContext:
+    """What a segment's queries attend to besides their own keys, and how (`segment_attention`): the `prefix` keys
+    and values [Hkv, N, d] (constant to autograd) and the sinks `prefix_grad` the backward adds their gradient into;
+    the keys and values `lead` [B, Hkv, L, d] of the segment's tokens before these queries and their sinks
+    `lead_grad`; the attention `kernel`; the sequence-parallel group the prefix is sharded over."""
+
+    prefix: tuple[Tensor, Tensor] | None = None
+    prefix_grad: tuple[Tensor, Tensor] | None = None
+    lead: tuple[Tensor, Tensor] | None = None
+    lead_grad: tuple[Tensor, Tensor] | None = None
+    kernel: str = "auto"
+    parallel: SequenceGroup = ONE_RANK
+
+
 class _PrefixSegmentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, scale, grad_k, grad_v, kernel, parallel, lead, lead_grad):
+    def forward(ctx, q, k, v, scale, around: SegmentContext):
+        (prefix_k, prefix_v), kernel, parallel, lead = around.prefix, around.kernel, around.parallel, around.lead
+        grad_k, grad_v = around.prefix_grad if around.prefix_grad is not None else (None, None)
         o_p, l_p, aux_p = _prefix_part(q, prefix_k, prefix_v, scale, kernel, parallel)
         o_s, l_s, aux_s = _forward(q, k, v, True, scale, kernel)
         o, lse = merge_parts(o_p, l_p, o_s, l_s)
@@ -360,7 +378,7 @@ class _PrefixSegmentAttention(torch.autograd.Function):
             o, lse = merge_parts(o_l, l_l, o, lse)
         ctx.aux = (aux_p, aux_s, aux_l)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.lead, ctx.lead_grad = lead, lead_grad  # constants to autograd, as the prefix
+        ctx.lead, ctx.lead_grad = lead, around.lead_grad  # constants to autograd, as the prefix
         # The prefix is a view of a state buffer that capture keeps appending to, so it is held as a plain
         # attribute (autograd's version check would otherwise reject the later appends beyond it).
         ctx.prefix = (prefix_k, prefix_v)
@@ -388,38 +406,28 @@ class _PrefixSegmentAttention(torch.autograd.Function):
             dqp = _unfold(dqp, b, h)
         if ctx.parallel.size > 1:  # all ranks' rows' shares: q's gradient is the same on every rank
             dqp = ctx.parallel.sum_(torch.zeros_like(dq) if dqp is None else dqp)  # a rank may hold none of them
-        return dq if dqp is None else dq.add_(dqp), dk, dv, None, None, None, None, None, None, None, None, None
+        return dq if dqp is None else dq.add_(dqp), dk, dv, None, None
 
 
-def segment_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    prefix: tuple[Tensor, Tensor] | None = None,
-    prefix_grad: tuple[Tensor, Tensor] | None = None,
-    kernel: str = "auto",
-    parallel: SequenceGroup = ONE_RANK,
-    lead: tuple[Tensor, Tensor] | None = None,
-    lead_grad: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """Causal attention of a segment over `prefix` (constant to autograd) and its own keys.
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, around: SegmentContext = SegmentContext()
+                      ) -> Tensor:
+    """Causal attention of a segment over `around.prefix` (constant to autograd) and its own keys.
 
-    If `prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact mode
-    collects the gradient of the prefix state across branches and prompt chunks. Over a `parallel` group of
+    If `around.prefix_grad` is given, the backward adds dLoss/dprefix into it in place: that is how the exact
+    mode collects the gradient of the prefix state across branches and prompt chunks. Over a `parallel` group of
     several ranks, `prefix` is this rank's rows (possibly none) of a prefix sharded over the group.
 
-    `lead`: keys and values [B, Hkv, L, d] of the segment's tokens before these queries (a query tile of a
+    `around.lead`: keys and values [B, Hkv, L, d] of the segment's tokens before these queries (a query tile of a
     recomputed layer, models/common/recompute.py), all visible to every query, constant to autograd like the
     prefix: the backward adds their gradient into `lead_grad` (sinks of their shape), if given.
     """
-    if lead is None and (prefix is None or (parallel.size == 1 and prefix[0].shape[1] == 0)):
+    prefix = around.prefix
+    if around.lead is None and (prefix is None or (around.parallel.size == 1 and prefix[0].shape[1] == 0)):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if prefix is None:
-        prefix = (k.new_zeros(k.shape[1], 0, k.shape[-1]), v.new_zeros(v.shape[1], 0, v.shape[-1]))
-    gk, gv = prefix_grad if prefix_grad is not None else (None, None)
-    return _PrefixSegmentAttention.apply(q, k, v, prefix[0], prefix[1], scale, gk, gv, kernel, parallel, lead,
-                                         lead_grad)
+        around = replace(around, prefix=(k.new_zeros(k.shape[1], 0, k.shape[-1]),
+                                         v.new_zeros(v.shape[1], 0, v.shape[-1])))
+    return _PrefixSegmentAttention.apply(q, k, v, scale, around)
 
 
 def _masked_part(q: Tensor, k: Tensor, v: Tensor, scale: float, visible: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ group) and over the selected own rows; the backward uses the merged output, and 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -120,9 +121,26 @@ def _partial(s: Tensor, keep: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     return matmul_fp32(p.to(operand_dtype(values)), values), lse
 
 
+@dataclass(frozen=True)
+class SparseRead:
+    """What `sparse_latent_attention` reads besides the queries, the own rows and the selection, all constant to
+    autograd: this rank's prefix rows [N', D] (or None) of a prefix of `length` positions, at `row_positions`
+    (ascending; None: 0..N'-1), the sink of their gradient, the softmax scale, the values' width `vdim` (the keys'
+    first features), and the group the prefix is sharded over."""
+
+    prefix: Tensor | None
+    prefix_grad: Tensor | None
+    length: int
+    row_positions: Tensor | None
+    scale: float
+    vdim: int
+    parallel: SequenceGroup
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, row_positions, parallel):
+    def forward(ctx, q, own, pos, valid, read: SparseRead):
+        prefix, scale, vdim, n, row_positions = read.prefix, read.scale, read.vdim, read.length, read.row_positions
         parts = {"pre": [], "own": []}
         for t0 in range(0, q.shape[1], QUERY_BLOCK):
             sl = slice(t0, t0 + QUERY_BLOCK)
@@ -132,11 +150,11 @@ class _SparseLatentAttention(torch.autograd.Function):
             vb = valid[:, sl, None, :]
             parts["pre"].append(_partial(s, vb & mine[:, :, None], keys[..., :vdim]))
             parts["own"].append(_partial(s, vb & ~in_prefix[:, :, None], keys[..., :vdim]))
-        o_p, l_p = merge_over(parallel, *(torch.cat(x, dim=1) for x in zip(*parts["pre"])))
+        o_p, l_p = merge_over(read.parallel, *(torch.cat(x, dim=1) for x in zip(*parts["pre"])))
         out, lse = merge_parts(o_p, l_p, *(torch.cat(x, dim=1) for x in zip(*parts["own"])))
         ctx.save_for_backward(q, own, pos, valid, out, lse)
-        ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, prefix_grad, scale, vdim
-        ctx.n, ctx.row_positions, ctx.parallel = n, row_positions, parallel
+        ctx.prefix, ctx.prefix_grad, ctx.scale, ctx.vdim = prefix, read.prefix_grad, scale, vdim
+        ctx.n, ctx.row_positions, ctx.parallel = n, row_positions, read.parallel
         return out.to(q.dtype)
 
     @staticmethod
@@ -173,7 +191,7 @@ class _SparseLatentAttention(torch.autograd.Function):
                 sink.index_put_((local,),
                                 torch.where(mine[..., None], dkeys, 0).to(sink.dtype), accumulate=True)
         dq_pre = ctx.parallel.sum_(dq_pre)  # all ranks' rows' shares: q's gradient is the same on every rank
-        return (dq_own + dq_pre).to(q.dtype), down.to(own.dtype), *([None] * 9)
+        return (dq_own + dq_pre).to(q.dtype), down.to(own.dtype), None, None, None
 
 
 def sparse_latent_attention(
@@ -197,5 +215,5 @@ def sparse_latent_attention(
     Sharded over a `parallel` group of several ranks: `prefix` holds the rows at `row_positions` (ascending) of
     a prefix of `length` positions."""
     n = (0 if prefix is None else prefix.shape[0]) if length is None else length
-    return _SparseLatentAttention.apply(q, own, prefix, pos, valid, scale, vdim, prefix_grad, n, row_positions,
-                                        parallel)
+    return _SparseLatentAttention.apply(q, own, pos, valid,
+                                        SparseRead(prefix, prefix_grad, n, row_positions, scale, vdim, parallel))

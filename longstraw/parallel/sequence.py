@@ -270,9 +270,11 @@ class SequenceParallel(SequenceGroup):
                              f"pass the same settings, or their collectives would not match")
 
     def agree_min(self, value: int) -> int:
-        """The smallest of the ranks' values (so that decisions taken from local facts, e.g. free memory, agree)."""
+        """The smallest of the ranks' values, over the data-parallel groups too (so that decisions taken from local
+        facts, e.g. free memory, agree everywhere: under ZeRO-3 every group's forwards gather the same layers)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        for group in self._groups():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return int(t)
 
     def _groups(self) -> tuple:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops.attention import decode_attention, segment_attention
+from ..ops.attention import SegmentContext, decode_attention, segment_attention
 from ..ops.split_attention import KeyValues, SplitQueries, split_chunk_attention
 from ..state import TokenState
 from .core import QueryTile, Segment
@@ -47,5 +47,5 @@ def attend(seg: Segment, layer: int, q: Tensor, own: TokenState, scale: float,
     if seg.cache is not None:
         return decode_attention(q, k, v, scale, prefix, parallel=seg.parallel, own_visible=seg.cache.visible)
     sink = seg.prefix_grad(layer)
-    return segment_attention(q, k, v, scale, prefix, None if sink is None else heads(sink),
-                             parallel=seg.parallel, lead=lead, lead_grad=lead_grad)
+    return segment_attention(q, k, v, scale, SegmentContext(prefix, None if sink is None else heads(sink), lead,
+                                                            lead_grad, parallel=seg.parallel))

@@ -30,6 +30,7 @@ The rehearsal (`--rehearse`, tools/rehearse.py) runs the step's code at full siz
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -163,57 +164,93 @@ def _fsdp_transients(meta, zero: int, precision: Precision, frozen: bool, expert
     return width * (2 * largest + root), 0.0 if frozen else reduce * max(largest, root)
 
 
-def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: int = 1, sp: int | None = None,
-         chunk: int | None = None, checkpoint_layers: bool | None = None, responses: int = 8,
-         response_tokens: int = 1024, profile: ActivationProfile | None = None, activation_bytes: int | None = None,
-         lora: dict | None = None, rope_scaling: dict | None = None, precision: Precision = "bf16-mixed",
-         offload: Offload = "none", head_chunk: int | None = None, expert_parallel: bool | None = None,
-         prompt_order: str = "auto", routing_replay: bool = False) -> dict:
-    """Per-rank bytes of exact and detached mode on `gpus` ranks in groups of `sp` (default: all of them), for the
-    prompt chunk and per-layer checkpointing given, or else the ones the search picks: of those that fit, first
-    those leaving a tenth of the GPU, then without checkpointing (one forward less), then the largest chunk
-    (fewer steps and weight gathers); when none fits, the smallest footprint.
+@dataclass(frozen=True)
+class Workload:
+    """What one step computes: a prompt of `tokens`, `responses` answers of `response_tokens` each; with `lora`
+    ({r, target_modules}) the adapters are trained, the base weights frozen; `rope_scaling` (as `load_model`'s)
+    extends the model's positions ("fits" needs them to cover prompt + response: `positions_accepted`);
+    `routing_replay` (`moe_routing_replay`): each rank keeps its prompt tokens' recorded experts with the state."""
 
-    `profile` (tools/activations.py; measured when None) or `activation_bytes` (a flat figure per token) give the
-    activations. With `lora` ({r, target_modules}) the adapters are trained, the base weights frozen.
-    `rope_scaling` (as `load_model`'s) extends the model's positions: "fits" needs them to cover prompt +
-    response (`positions_accepted`). `expert_parallel` (None: as `shard_model` decides) keeps a MoE model's experts
-    whole on their ranks. `prompt_order` as `EngineConfig.prompt_order` (auto: layer by layer under ZeRO-3 when its
-    checkpoints fit a quarter of the GPU). `routing_replay` (`moe_routing_replay`): each rank keeps its prompt
-    tokens' recorded experts with the state."""
+    tokens: int
+    responses: int = 8
+    response_tokens: int = 1024
+    lora: dict | None = None
+    rope_scaling: dict | None = None
+    routing_replay: bool = False
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where it runs: `gpus` GPUs of `gpu_mem_gb` GB in sequence-parallel groups of `sp` (None: all of them), under
+    ZeRO stage `zero`, in `precision`, with optimizer `offload`; `expert_parallel` (None: as `shard_model`
+    decides) keeps a MoE model's experts whole on their ranks."""
+
+    gpus: int
+    gpu_mem_gb: float
+    zero: int = 1
+    sp: int | None = None
+    precision: Precision = "bf16-mixed"
+    offload: Offload = "none"
+    expert_parallel: bool | None = None
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine settings the plan takes as given (None: searched): the prompt chunk, per-layer checkpointing,
+    `prompt_order` as `EngineConfig.prompt_order` (auto: layer by layer under ZeRO-3 when its checkpoints fit a
+    quarter of the GPU), the LM head's chunk; and the activations: `profile` (tools/activations.py; measured when
+    None) or `activation_bytes` (a flat figure per token)."""
+
+    chunk: int | None = None
+    checkpoint_layers: bool | None = None
+    prompt_order: str = "auto"
+    head_chunk: int | None = None
+    profile: ActivationProfile | None = None
+    activation_bytes: int | None = None
+
+
+def plan(hf_config: dict, work: Workload, cluster: Cluster, engine: EngineChoice = EngineChoice()) -> dict:
+    """Per-rank bytes of exact and detached mode of `work` on `cluster`, for the prompt chunk and per-layer
+    checkpointing `engine` gives, or else the ones the search picks: of those that fit, first those leaving a
+    tenth of the GPU, then without checkpointing (one forward less), then the largest chunk (fewer steps and
+    weight gathers); when none fits, the smallest footprint."""
+    tokens, gpus, zero, precision = work.tokens, cluster.gpus, cluster.zero, cluster.precision
+    lora, prompt_order = work.lora, engine.prompt_order
     if prompt_order not in ("auto", "chunks", "layers"):
         raise ValueError(f"prompt order {prompt_order!r}: auto, chunks or layers")
-    hf_config = with_rope_scaling(hf_config, rope_scaling)
-    c = sp or gpus
+    hf_config = with_rope_scaling(hf_config, work.rope_scaling)
+    c = cluster.sp or gpus
     if gpus % c or c < 1:
         raise ValueError(f"--sp {c} must divide --gpus {gpus}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {zero}: ZeRO stages are 0, 1, 2, 3")
+    profile = engine.profile
     if profile is None:
-        profile = flat_profile(hf_config, activation_bytes) if activation_bytes else \
+        profile = flat_profile(hf_config, engine.activation_bytes) if engine.activation_bytes else \
             activation_profile(hf_config, _lora_args(lora))
-    chunks = [chunk] if chunk else [x for x in CHUNKS if x >= c]
-    ckpts = [checkpoint_layers] if checkpoint_layers is not None else [False, True]
+    chunks = [engine.chunk] if engine.chunk else [x for x in CHUNKS if x >= c]
+    ckpts = [engine.checkpoint_layers] if engine.checkpoint_layers is not None else [False, True]
     with torch.device("meta"):
         meta = build(hf_config)
     size = state_size(hf_config, tokens, "fp32" if precision == "fp32" else "bf16")  # the model's dtype
     adapters = adapter_parameters(hf_config, lora["r"], lora["target_modules"]) if lora else 0
     params = sum(p.numel() for p in meta.parameters())
-    ep = expert_parallel_default(meta, zero, gpus, expert_parallel)
+    ep = expert_parallel_default(meta, zero, gpus, cluster.expert_parallel)
     # what no (chunk, checkpointing) pair changes, counted once
     fixed = {"params": params, "adapters": adapters,
-             "model_state": model_state_bytes(params, adapters, zero, gpus, precision, offload),
+             "model_state": model_state_bytes(params, adapters, zero, gpus, precision, cluster.offload),
              "attn": _attention_extras(meta, tokens / c, 4 if precision == "fp32" else 2, c,
                                        "cuda" if profile.gpu else "cpu"),
              "fsdp": _fsdp_transients(meta, zero, precision, frozen=adapters > 0, experts_local=ep),
              "expert_parallel": ep,
              "all_to_all": _all_to_all_bytes(meta, 4 if precision == "fp32" else 2) if ep else 0.0,
-             "routing": routing_bytes_per_token(meta) * tokens / c if routing_replay else 0.0}
+             "routing": routing_bytes_per_token(meta) * tokens / c if work.routing_replay else 0.0}
     # under ZeRO-3 the engine's `auto` order is searched against the chunk order, which holds no layer-major
     # checkpoints
     orders = ["auto", "chunks"] if prompt_order == "auto" and zero == 3 else [prompt_order]
-    options = [_plan_one(meta, size, fixed, tokens, gpus, gpu_mem_gb, zero, c, x, k, o, responses, response_tokens,
-                         profile, precision, offload, head_chunk) for o in orders for k in ckpts for x in chunks]
+    options = [_plan_one(meta, size, fixed, work, cluster,
+                         replace(engine, chunk=x, checkpoint_layers=k, prompt_order=o, profile=profile))
+               for o in orders for k in ckpts for x in chunks]
     fitting = [r for r in options if r["exact_fits"]]
     if fitting:  # comfortably (a tenth of the GPU left for the allocator, CUDA and NCCL) before barely
         best = min(fitting, key=lambda r: (r["exact_bytes"] > 0.9 * r["gpu_bytes"], r["prompt_order_setting"] != "auto",
@@ -223,11 +260,14 @@ def plan(hf_config: dict, tokens: int, gpus: int, gpu_mem_gb: float, *, zero: in
     return {**best, "searched": len(chunks) * len(ckpts) > 1}
 
 
-def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb: float, zero: int, c: int,
-              chunk: int, ckpt: bool, order: str, responses: int, response_tokens: int, profile: ActivationProfile,
-              precision: Precision, offload: Offload, head_chunk: int | None) -> dict:
-    """The plan of one (chunk, checkpointing) pair; `size` is `state_size`'s report (its chunk count redone),
-    `fixed` what plan() counted once for all pairs."""
+def _plan_one(meta, size: dict, fixed: dict, work: Workload, cluster: Cluster, engine: EngineChoice) -> dict:
+    """The plan of one (chunk, checkpointing, prompt order) choice, all given in `engine` with its activation
+    profile; `size` is `state_size`'s report (its chunk count redone), `fixed` what plan() counted once for all."""
+    tokens, responses, response_tokens = work.tokens, work.responses, work.response_tokens
+    gpus, gpu_mem_gb, zero, precision, offload = (cluster.gpus, cluster.gpu_mem_gb, cluster.zero, cluster.precision,
+                                                  cluster.offload)
+    c = cluster.sp or gpus
+    chunk, ckpt, order, profile = engine.chunk, engine.checkpoint_layers, engine.prompt_order, engine.profile
     size = {**size, "prompt_chunks": -(-tokens // chunk)}
     params, adapters, model_state, attn = fixed["params"], fixed["adapters"], fixed["model_state"], fixed["attn"]
     gathered, reduction = fixed["fsdp"]
@@ -243,7 +283,7 @@ def _plan_one(meta, size: dict, fixed: dict, tokens: int, gpus: int, gpu_mem_gb:
                   layer_major_auto=zero == 3, activation_bytes_per_token=lambda: int(profile.per_token(False)),
                   checkpointed_bytes_per_token=int(profile.per_token(True)), vocab_size=meta.config.vocab_size)
     policy = resolve(EngineConfig(prompt_chunk=chunk, checkpoint_layers=ckpt, prompt_order=order,
-                                  prompt_graph_budget=0, head_chunk=head_chunk), costs, int(budget), exact=True)
+                                  prompt_graph_budget=0, head_chunk=engine.head_chunk), costs, int(budget), exact=True)
     mine = costs.rank_chunks  # each rank keeps the boundaries of its own chunks
     every = policy.boundary_every
     boundaries = size["fixed_bytes"] * (math.ceil(mine / every) + (every if every > 1 else 0))
@@ -307,17 +347,19 @@ def _positions(model_cfg, positions: int) -> dict:
             "rope_scaling_needed": None if ok else model_cfg.scaling_for(positions)}
 
 
-def smallest_fit(hf_config: dict, tokens: int, gpu_mem_gb: float, mode: str, **kw) -> int | None:
-    """The fewest GPUs (all in one sequence-parallel group) on which `mode` fits, up to 4096. Expert parallelism
-    asked for is taken where the experts split over the GPUs (as `auto`)."""
-    if kw.get("expert_parallel"):
-        kw = {**kw, "expert_parallel": None}
-    if kw.get("profile") is None:
-        act = kw.pop("activation_bytes", None)
-        kw["profile"] = flat_profile(with_rope_scaling(hf_config, kw.get("rope_scaling")), act) if act else \
-            activation_profile(hf_config, _lora_args(kw.get("lora")))
+def smallest_fit(hf_config: dict, work: Workload, cluster: Cluster, engine: EngineChoice, mode: str) -> int | None:
+    """The fewest GPUs (all in one sequence-parallel group: `cluster`'s count and `sp` are not used) on which
+    `mode` fits, up to 4096. Expert parallelism asked for is taken where the experts split over the GPUs (as
+    `auto`)."""
+    if cluster.expert_parallel:
+        cluster = replace(cluster, expert_parallel=None)
+    if engine.profile is None:
+        act = engine.activation_bytes
+        engine = replace(engine, activation_bytes=None, profile=flat_profile(
+            with_rope_scaling(hf_config, work.rope_scaling), act) if act else
+            activation_profile(hf_config, _lora_args(work.lora)))
     for n in [2**i for i in range(13)]:
-        if plan(hf_config, tokens, n, gpu_mem_gb, **kw)[f"{mode}_fits"]:
+        if plan(hf_config, work, replace(cluster, gpus=n, sp=None), engine)[f"{mode}_fits"]:
             return n
     return None
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import DType, ModelSpec
 from ..engine import EngineConfig
 from ..grpo import GRPOConfig
-from ..sampler import check_backend
+from ..sampler import NativeSampler, check_backend
 from .device import check_device_setting
 
 
@@ -174,12 +174,22 @@ def without_placement(config: dict) -> dict:
 
 class RolloutConfig(_Strict):
     backend: str = Field("native", description="the sampler that draws the answers (longstraw/sampler.py, "
-                         "`SAMPLERS`): native, longstraw's own decode on the shared prefix state")
+                         "`SAMPLERS`, `register_sampler`): native, longstraw's own decode on the shared prefix state")
+    options: dict[str, Any] = Field(default_factory=dict, description="the sampler's own settings, passed to its "
+                                    "factory; native: stop_check_every, compile, static_shapes (`DecodeOptions`)")
 
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
         return check_backend(v)
+
+    @model_validator(mode="after")
+    def _native_options(self) -> RolloutConfig:
+        # the native sampler's options are checked here; another backend's factory checks its own when the worker
+        # builds it (building one here could reach for a server)
+        if self.backend == "native":
+            NativeSampler(self.options)
+        return self
 
 
 class TrackingConfig(_Strict):

@@ -107,7 +107,7 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
     record = {"rewards": _json_floats(weighted),
               "rewards_per_function": {k: _json_floats(v) for k, v in per_function.items()},
               "failed": failed, "texts": texts}
-    if not _needs_batch(cfg):
+    if not needs_batch_advantages(cfg):
         record["advantages"] = _advantages(cfg, table).tolist()
     path = str(cfg.paths().step(step) / f"rewards-g{group:03d}.json")
     sha = save_json(path, record)
@@ -146,7 +146,10 @@ def reward_metric(name: str) -> str:
     return f"rewards/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}/mean"
 
 
-def _needs_batch(cfg: TrainConfig) -> bool:
+def needs_batch_advantages(cfg: TrainConfig) -> bool:
+    """Whether the run's advantages need the whole step's rewards before any replay (`grpo.scale_rewards` batch, or
+    `multi_objective_aggregation` normalize_then_sum): then the reward stage stores none, the flow scores every
+    group first and `advantage_stage` computes them."""
     return needs_batch(cfg.grpo.scale_rewards, cfg.grpo.multi_objective_aggregation)
 
 

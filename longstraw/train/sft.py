@@ -26,7 +26,7 @@ from ..engine import capture
 from ..files import atomic_output
 from ..models import write_weights
 from ..problems import get_problem, make_problem
-from ..rollout import rollout
+from ..rollout import Draw, SamplingSettings, rollout
 
 
 Stage = tuple[int, float]  # (prompt tokens, fraction of the steps)
@@ -129,7 +129,8 @@ def task_reward(model, tok: Tokenizer, task: str, examples: list[Example]) -> fl
     for ex in examples:
         prompt, answer = encode(tok, ex)
         state = capture(model, prompt)
-        sample = rollout(model, state, n=1, max_new_tokens=len(answer) + 8, temperature=0, stop_ids=[tok.eos_id])[0]
+        greedy = SamplingSettings(max_new_tokens=len(answer) + 8, temperature=0, stop_ids=(tok.eos_id,))
+        sample = rollout(model, state, greedy, Draw(n=1))[0]
         total += verify(ex.meta, tok.decode(sample.tokens.tolist()))
     return total / len(examples)
 

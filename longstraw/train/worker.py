@@ -43,8 +43,8 @@ from torch import nn
 
 from ..config import torch_dtype
 from ..data import check_vocab, load_tokenizer
-from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, new_dstate, plan_group,
-                      prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
+from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, naive_plan, new_dstate,
+                      plan_group, prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
 from ..engine.routing import prompt_moe_layers
 from ..files import Artefact, remove_stale_temporaries
 from ..lora import add_lora
@@ -92,7 +92,8 @@ class Worker:
         self.optim: torch.optim.Optimizer | None = None  # the AdamW (its op is `optimizer`)
         self.update, self.weights_version = 0, ""
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
-        self.sampler: Sampler = build_sampler(cfg.rollout.backend)  # what the rollout op draws the answers with
+        # what the rollout op draws the answers with
+        self.sampler: Sampler = build_sampler(cfg.rollout.backend, cfg.rollout.options)
         self._reference: nn.Module | None = None
         # the last prefix state used, by (url, digest)
         self._state: LastUsed[tuple[str, str], PrefixState] = LastUsed()
@@ -332,9 +333,10 @@ class Worker:
         prompt = self._load(state).prompt_ids
         responses = self._responses(rollout).responses
         with self._meter() as m:
-            plan = plan_group(model, cfg.engine, prompt.numel(), parallel=self.parallel, exact=False)
+            # capture and score run no autograd: the plan both run, and the one reported
+            plan = plan_group(model, cfg.engine, prompt.numel(), parallel=self.parallel, exact=False, grad=False)
             ref_state = capture(model, prompt, cfg.engine, plan=plan, parallel=self.parallel)
-            logps = score(model, ref_state, responses, engine=cfg.engine, parallel=self.parallel)
+            logps = score(model, ref_state, responses, engine=cfg.engine, plan=plan, parallel=self.parallel)
         out = {"peak_bytes": m.peak_bytes, "seconds": m.seconds, "plan": plan.params()}
         logps = [lp.detach().cpu() for lp in logps]
         stored = None
@@ -383,9 +385,9 @@ class Worker:
         with self._meter() as m:
             mine = self._entropy_weighted(group_branches, prefix, group, epoch).select(branches[self.parallel.dp_rank])
             if cfg.mode == "naive":  # one process: the state's routing is the whole prompt's
-                plan = plan_group(self.model, cfg.engine, prefix.prompt_ids.numel(), exact=False, grad=False)
-                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo, engine=cfg.engine,
-                                        prompt_routing=prefix.routing if cfg.moe_routing_replay else None)
+                plan = naive_plan(self.model, cfg.engine, prefix.prompt_ids)
+                totals = naive_backward(self.model, prefix.prompt_ids, mine, cfg.grpo, plan=plan,
+                                        prompt_routing=self._naive_prompt_routing(prefix))
             else:
                 dstate = None
                 if cfg.mode == "exact":
@@ -399,6 +401,11 @@ class Worker:
         return {"branches": branches, **totals, "tokens": tokens, "peak_bytes": m.peak_bytes, "seconds": m.seconds,
                 "tokens_per_s": tokens / max(m.seconds, 1e-9), "plan": plan.params()}
 
+    def _naive_prompt_routing(self, prefix: PrefixState) -> dict[int, torch.Tensor] | None:
+        """Naive mode recomputes the prompt in one process, so MoE routing replay hands it the state's routing (the
+        whole prompt's) as an argument; the other modes route the prompt through the state itself."""
+        return prefix.routing if self.cfg.moe_routing_replay else None
+
     def _entropy_weighted(self, group_branches: Branches, prefix: PrefixState, group: int, epoch: int) -> Branches:
         """The group's branches with the entropy options' mask and bonus weights (`with_entropy_weights`): the
         whole group's, computed by the group's first replay op and kept for the others until the optimizer step."""
@@ -408,7 +415,7 @@ class Worker:
         if (group, epoch) not in self._entropy:
             if cfg.mode == "naive":
                 scored = lambda: naive_entropies(self.model, prefix.prompt_ids, group_branches,  # noqa: E731
-                                                 engine=cfg.engine, prompt_routing=prefix.routing)
+                                                 engine=cfg.engine, prompt_routing=self._naive_prompt_routing(prefix))
             else:
                 scored = lambda: group_entropies(self.model, prefix, group_branches, engine=cfg.engine,  # noqa: E731
                                                  parallel=self.parallel)

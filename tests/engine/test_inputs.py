@@ -71,3 +71,17 @@ def test_score_checks_responses(model):
         ls.score(model, state, [torch.tensor([200])])
     with pytest.raises(ValueError, match="70 tokens exceeds the model.s 64 positions"):
         ls.score(model, state, [torch.ones(60, dtype=torch.long)])
+
+
+def test_an_int_engine_is_refused(model):
+    """The int shorthand for the prompt chunk is gone: every entry point names EngineConfig and the fix."""
+    prompt = torch.randint(0, 97, (10,))
+    with pytest.raises(TypeError, match=r"capture's engine must be an EngineConfig, got int 8: pass "
+                                        r"EngineConfig\(prompt_chunk=8\)"):
+        ls.capture(model, prompt, 8)
+    state = ls.capture(model, prompt)
+    with pytest.raises(TypeError, match="score's engine must be an EngineConfig"):
+        ls.score(model, state, [torch.tensor([1, 2])], engine=8)
+    with pytest.raises(TypeError, match="grpo_backward's engine must be an EngineConfig"):
+        call(model, engine=8)
+    assert all(p.grad is None for p in model.parameters())

@@ -8,7 +8,7 @@ import torch
 
 import longstraw as ls
 from longstraw.engine.policy import plan_group
-from longstraw.tools.plan import plan
+from longstraw.tools.plan import Cluster, EngineChoice, Workload, plan
 from tests.conftest import tiny_config
 
 TOKENS, RESPONSE = 1000, 5000
@@ -19,8 +19,8 @@ TOKENS, RESPONSE = 1000, 5000
 @pytest.mark.parametrize("chunk,checkpoint", [(64, False), (128, True)])
 def test_the_planner_and_the_engine_resolve_alike(monkeypatch, model_type, gpu_gb, chunk, checkpoint):
     hf = tiny_config(model_type, vocab_size=97, max_position_embeddings=8192)
-    planned = plan(hf, TOKENS, 1, gpu_gb, zero=0, chunk=chunk, checkpoint_layers=checkpoint, precision="fp32",
-                   activation_bytes=100_000, response_tokens=RESPONSE)
+    planned = plan(hf, Workload(TOKENS, response_tokens=RESPONSE), Cluster(1, gpu_gb, zero=0, precision="fp32"),
+                   EngineChoice(chunk=chunk, checkpoint_layers=checkpoint, activation_bytes=100_000))
     model = ls.build_model(hf, dtype=torch.float32)
     monkeypatch.setattr("longstraw.engine.policy.free_bytes", lambda device: int(gpu_gb * 1e9))
     engine = ls.EngineConfig(prompt_chunk=planned["chunk"], checkpoint_layers=planned["checkpoint_layers"],
@@ -38,6 +38,7 @@ def test_the_planner_and_the_engine_resolve_alike(monkeypatch, model_type, gpu_g
 def test_the_set_ups_reach_both_boundary_rules(monkeypatch):
     """The control: the GPU sizes above give sparse boundaries on a model with fixed-size states, and every one."""
     hf = tiny_config("qwen3_5_text", vocab_size=97, max_position_embeddings=8192)
-    every = {gb: plan(hf, TOKENS, 1, gb, zero=0, chunk=64, checkpoint_layers=False, precision="fp32",
-                      activation_bytes=100_000)["boundary_every"] for gb in (1e-5, 100.0)}
+    every = {gb: plan(hf, Workload(TOKENS), Cluster(1, gb, zero=0, precision="fp32"),
+                      EngineChoice(chunk=64, checkpoint_layers=False, activation_bytes=100_000))["boundary_every"]
+             for gb in (1e-5, 100.0)}
     assert every[1e-5] > 1 and every[100.0] == 1

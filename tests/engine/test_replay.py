@@ -21,7 +21,7 @@ def test_score_equals_full_pass(model_type, prompt_len, chunk, branch_batch):
     model = tiny_model(model_type)
     prompt = torch.randint(0, 97, (prompt_len,))
     responses = [torch.randint(0, 97, (n,)) for n in (6, 1, 11, 3)]
-    state = ls.capture(model, prompt, chunk)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=chunk))
     assert state.length == prompt_len - 1
     assert len(state.chunks) == -(-(prompt_len - 1) // chunk)
     scores = ls.score(model, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
@@ -42,7 +42,7 @@ def test_single_token_prompt_has_empty_state():
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
 def test_replays_leave_state_bitwise_unchanged(model_type):
     model = tiny_model(model_type)
-    state = ls.capture(model, torch.randint(0, 97, (30,)), 8)
+    state = ls.capture(model, torch.randint(0, 97, (30,)), ls.EngineConfig(prompt_chunk=8))
     before = state_tensors(state)
     responses = [torch.randint(0, 97, (n,)) for n in (5, 9)]
     ls.score(model, state, responses, engine=ls.EngineConfig(branch_batch=2))
@@ -87,7 +87,7 @@ def test_filler_branches_add_nothing(off_policy):
     out = []
     for b in (branches, branches.padded(8)):
         model.zero_grad(set_to_none=True)
-        state = capture(model, prompt, 8, exact=True)
+        state = capture(model, prompt, ls.EngineConfig(prompt_chunk=8), exact=True)
         dstate = new_dstate(state)
         stats = replay(model, state, b, loss, dstate, engine=ls.EngineConfig(branch_batch=2))
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -28,6 +28,7 @@ from tests.parallel.launch import run_ranks
 
 CHUNK = 7
 LENGTHS = (6, 1, 4, 3)
+ROUTED = ls.SamplingSettings(max_new_tokens=max(LENGTHS), record_routing=True)  # the rollouts' settings
 ADV = [1.0, -0.5, 0.7, -1.2]
 
 
@@ -40,8 +41,8 @@ def recorded(model: torch.nn.Module, prompt_len: int = 40) -> tuple[torch.Tensor
     """A prompt, responses sampled from it, and the routing capture and rollout recorded (the responses cut to
     LENGTHS: a sample's first tokens and their routing rows are a response too)."""
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    state = ls.capture(model, prompt, CHUNK, record_routing=True)
-    samples = ls.rollout(model, state, n=len(LENGTHS), max_new_tokens=max(LENGTHS), seed=3, record_routing=True)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), record_routing=True)
+    samples = ls.rollout(model, state, ROUTED, ls.Draw(n=len(LENGTHS), seed=3))
     responses = [s.tokens[:n] for s, n in zip(samples, LENGTHS)]
     branches = [{j: ids[:n] for j, ids in s.routing.items()} for s, n in zip(samples, LENGTHS)]
     return prompt, responses, Routing(state.routing, branches)
@@ -160,7 +161,7 @@ def test_capture_and_rollout_record_what_the_routers_choose(order):
     model = glm()
     prompt, responses, routing = recorded(model)
     state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK, prompt_order=order), record_routing=True)
-    samples = ls.rollout(model, state, n=len(LENGTHS), max_new_tokens=max(LENGTHS), seed=3, record_routing=True)
+    samples = ls.rollout(model, state, ROUTED, ls.Draw(n=len(LENGTHS), seed=3))
     p = prompt.numel() - 1
     last = GLM["num_hidden_layers"] - 1  # its MLP never runs on the prompt at capture
     assert set(state.routing) == set(prompt_moe_layers(model)) == set(moe_layers(model)) - {last}
@@ -177,13 +178,13 @@ def test_capture_and_rollout_record_what_the_routers_choose(order):
 def test_routing_is_stored_with_the_state(tmp_path):
     model = glm()
     prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(0))
-    state = ls.capture(model, prompt, CHUNK, exact=True, record_routing=True)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), exact=True, record_routing=True)
     save_state(state, str(tmp_path / "s"), weights_version="w", shard_tokens=8)
     loaded = load_state_shard(str(tmp_path / "s"), model=model, weights_version="w")
     assert set(loaded.routing) == set(state.routing)
     for j, ids in state.routing.items():
         assert loaded.routing[j].dtype == torch.uint8 and torch.equal(loaded.routing[j], ids)
-    plain = ls.capture(model, prompt, CHUNK, exact=True)
+    plain = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), exact=True)
     save_state(plain, str(tmp_path / "p"), weights_version="w")
     assert plain.routing is None
     assert load_state_shard(str(tmp_path / "p"), model=model, weights_version="w").routing is None
@@ -224,9 +225,8 @@ def replay_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     sp = SequenceParallel()
     model = glm()
     prompt, responses, routing = recorded(model)  # in one process, alike on every rank
-    state = ls.capture(model, prompt, CHUNK, parallel=sp, record_routing=True)
-    samples = ls.rollout(model, state, n=len(LENGTHS), max_new_tokens=max(LENGTHS), seed=3, parallel=sp,
-                         record_routing=True)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp, record_routing=True)
+    samples = ls.rollout(model, state, ROUTED, ls.Draw(n=len(LENGTHS), seed=3), parallel=sp)
     out = {f"state.{j}": ids for j, ids in state.routing.items()}
     out |= {f"sample.{i}.{j}": ids for i, s in enumerate(samples) for j, ids in s.routing.items()}
     perturb_routers(model, "weight", 0.5)
@@ -284,10 +284,11 @@ def test_compiled_and_static_decodes_record_the_eager_routing(how):
     replays) and, for the static decode, out of buffers the next step overwrites: copied out each step."""
     torch.manual_seed(0)
     model = ls.build_model(GLM, dtype=torch.float32)
-    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), 16)
-    kw = dict(n=3, max_new_tokens=8, seed=5, record_routing=True)
-    eager = ls.rollout(model, state, **kw)
-    other = ls.rollout(model, state, **kw, **({"compile": "eager"} if how == "compiled" else {"static_shapes": True}))
+    state = ls.capture(model, torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)), ls.EngineConfig(prompt_chunk=16))
+    args = (ls.SamplingSettings(max_new_tokens=8, record_routing=True), ls.Draw(n=3, seed=5))
+    eager = ls.rollout(model, state, *args)
+    other = ls.rollout(model, state, *args, decode=ls.DecodeOptions(compile="eager") if how == "compiled"
+                       else ls.DecodeOptions(static_shapes=True))
     for a, b in zip(eager, other, strict=True):
         assert torch.equal(a.tokens, b.tokens)
         assert a.routing.keys() == b.routing.keys() and all(torch.equal(a.routing[j], b.routing[j]) for j in a.routing)
@@ -305,7 +306,7 @@ def test_entropy_options_and_score_take_the_replayed_routing():
     g_exact = grad_of(model, "exact", prompt, responses, routing=routing, config=cfg,
                       engine=ls.EngineConfig(prompt_chunk=CHUNK, branch_batch=2))
     assert rel_err(g_exact, g_naive) <= 1e-10
-    state = ls.capture(model, prompt, CHUNK, routing=routing.prompt)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), routing=routing.prompt)
     batched = ls.EngineConfig(branch_batch=2)
     forced = ls.score(model, state, responses, engine=batched, routing=routing.branches)
     free = ls.score(model, state, responses, engine=batched)

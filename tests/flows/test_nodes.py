@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from longstraw.parallel.agent import STUCK_AFTER_S
-from tests.flows.test_ranks import ROOT, TIMEOUT, _cli, _env, _final, _yaml
+from tests.flows.test_ranks import ROOT, _cli, _env, _final, _yaml
+from tests.progress import IDLE_S, POLL_S, IdleWatch, communicate, kill_tree
 
 # gloo's connections and torchrun's node address (MASTER_ADDR of the ranks' store) on the loopback interface;
 # PET_LOCAL_ADDR is torchrun's environment form of --local-addr
@@ -132,25 +133,31 @@ def _nodes(config: Path, tmp_path: Path, hooks: dict | None = None, cwds: tuple 
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     first = start(0)
-    deadline = time.monotonic() + TIMEOUT
+    watch = IdleWatch()
     while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
-        if first.poll() is not None or time.monotonic() > deadline:
-            _wait([first], 1)
-            raise AssertionError(f"node 0 never served the rendezvous:\n{first.stdout.read()[-3000:]}")
+        if first.poll() is not None or watch.idle([first.pid]):
+            raise AssertionError(f"node 0 never served the rendezvous:\n{_stop([first])[0][-3000:]}")
         time.sleep(0.2)
     return [first, start(1)]
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+def _wait(procs: list[subprocess.Popen], idle_s: float = IDLE_S) -> list[str]:
+    """The launchers' outputs once they all exited; fails only when they hang (no CPU time for `idle_s` s)."""
     try:
-        return [p.communicate(timeout=timeout)[0] for p in procs]
+        return [out for out, _ in communicate(procs, idle_s)]
     finally:
-        for p in procs:  # a failed test leaves nothing running
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        _stop(procs)
+
+
+def _stop(procs: list[subprocess.Popen]) -> list[str]:
+    """Kill the launchers still running and everything below them (a failed test leaves nothing running); their
+    outputs."""
+    for p in procs:
+        kill_tree(p)
+    return [out for out, _ in communicate(procs)]
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +171,7 @@ def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 def test_two_nodes_match_one_node(tmp_path, one_node):
     procs = _nodes(_yaml(tmp_path, "run"), tmp_path)
-    outs = _wait(procs, TIMEOUT)  # every wait in these tests has a timeout: nothing hangs the suite
+    outs = _wait(procs)  # every wait in these tests fails on a hang: nothing hangs the suite
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     got = _final(tmp_path, "run")
     assert got.keys() == one_node.keys(), outs
@@ -175,11 +182,11 @@ def test_two_nodes_match_one_node(tmp_path, one_node):
 
 def _marked(marker: Path, procs: list[subprocess.Popen]) -> tuple[int, int]:
     """The (rank PID, launcher process group) a test hook wrote to `marker` once the run reached its op."""
-    deadline = time.monotonic() + TIMEOUT
+    watch = IdleWatch()
     while not marker.exists():
         ended = [p for p in procs if p.poll() is not None]
-        assert not ended, "a node ended before the hook's op:\n" + ended[0].stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "the run never reached the hook's op"
+        assert not ended, "a node ended before the hook's op:\n" + _stop(ended)[0][-3000:]
+        assert not watch.idle(p.pid for p in procs), "the run never reached the hook's op (it hangs)"
         time.sleep(0.2)
     rank, launcher = map(int, marker.read_text().split())
     return rank, launcher
@@ -211,13 +218,13 @@ def _lose_rank_1_in_replay(tmp_path: Path, how: signal.Signals, timeout_s: float
         os.killpg(launcher, how)  # the node's launcher and torchrun agent
         os.killpg(rank1, how)  # and its rank (torchrun starts each rank in a session of its own)
         survivor = procs[1 - lost]
-        out = survivor.communicate(timeout=timeout_s + 60)[0]
+        ((out, _),) = communicate([survivor], max(IDLE_S, timeout_s + 60))  # it may wait out the timeout idle
         seconds = time.monotonic() - hit
     finally:
         for group in (launcher, rank1) if marker.exists() else ():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-        _wait(procs, 1)
+        _stop(procs)
     line = next((x for x in out.splitlines() if "lost rank(s)" in x), None)
     assert line is not None, out[-3000:]
     assert f"lost rank(s) 1 of 2 (node {lost}, host {socket.gethostname()}) in replay (step 1" in line, line
@@ -280,14 +287,14 @@ def test_a_silent_rank_0_fails_the_other_node_naming_it(tmp_path):
         hit = time.monotonic()
         os.killpg(launcher, signal.SIGSTOP)
         os.killpg(rank0, signal.SIGSTOP)
-        out = procs[1].communicate(timeout=timeout_s + STUCK_AFTER_S + 60)[0]
+        ((out, _),) = communicate([procs[1]], max(IDLE_S, timeout_s + STUCK_AFTER_S + 60))
         seconds = time.monotonic() - hit
     finally:
         for group in (launcher, rank0):
             if group is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
-        _wait(procs, 1)
+        _stop(procs)
     assert procs[1].returncode != 0, out[-3000:]
     # rank 1 fails after the timeout; its torchrun agent, blocked on node 0's silent rendezvous store, leaves
     # STUCK_AFTER_S later (longstraw/parallel/agent.py)
@@ -317,20 +324,22 @@ def test_killing_only_the_launcher_stops_its_ranks(tmp_path):
         below = psutil.Process(proc.pid).children(recursive=True)  # the agent, the ranks, rank 0's servers
         assert len(below) >= 3, below
         proc.kill()
-        _, alive = psutil.wait_procs(below, timeout=60)
+        watch, alive = IdleWatch(), below
+        while alive and not watch.idle(p.pid for p in alive):  # stopping, however slowly, until they hang
+            _, alive = psutil.wait_procs(alive, timeout=POLL_S)
         assert not alive, [" ".join(p.cmdline()[:4]) for p in alive]
     finally:
         for p in below:  # the ranks run in sessions of their own
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        _wait([proc], 1)
+        _stop([proc])
 
 
 def test_an_error_on_node_1_fails_both_nodes(tmp_path):
     """Rank 1's own error in replay: rank 0 names it, and both nodes' launchers exit non-zero (a scheduler sees
     every node of the job fail; on one machine, rank 1 exits 0 instead, so that torchrun leaves rank 0 be)."""
     procs = _nodes(_yaml(tmp_path, "run"), tmp_path, hooks={"LONGSTRAW_TEST_FAULT": "replay:1:1"})
-    outs = _wait(procs, TIMEOUT)
+    outs = _wait(procs)
     assert [p.returncode != 0 for p in procs] == [True, True], "\n".join(o[-2000:] for o in outs)
     assert "rank 1 of 2 failed in replay (step 1" in outs[0] and "injected replay fault on rank 1" in outs[0]
     assert (tmp_path / "run" / "checkpoints" / "update-000001").is_dir()  # step 0 committed
@@ -349,7 +358,7 @@ def test_a_run_dir_the_nodes_do_not_share_is_an_error_on_every_rank(tmp_path):
     for d in cwds:
         d.mkdir()
     procs = _nodes(config, tmp_path, cwds=cwds)
-    outs = _wait(procs, TIMEOUT)
+    outs = _wait(procs)
     assert all(p.returncode != 0 for p in procs), outs
     for out in outs:
         line = next((x for x in out.splitlines() if "ValueError: the run directory run is not one" in x), None)

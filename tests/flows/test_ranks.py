@@ -16,11 +16,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests import progress
 from tests.flows.test_train_flow import config
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = Path(__file__).parent / "hooks"
-TIMEOUT = 300
 
 
 def _env(**env) -> dict[str, str]:
@@ -29,8 +29,8 @@ def _env(**env) -> dict[str, str]:
 
 
 def _cli(args: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--no-progress"], cwd=ROOT, env=_env(**env),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    """Run `longstraw ARGS` to its end; fails only on a hang (tests/progress.py), never on a slow machine."""
+    return progress.run([sys.executable, "-m", "flows.cli", *args, "--no-progress"], cwd=ROOT, env=_env(**env))
 
 
 def _yaml(tmp_path: Path, name: str) -> Path:

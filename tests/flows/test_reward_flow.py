@@ -85,7 +85,7 @@ def test_scoring_every_group_first_gives_the_group_by_group_update(tmp_path, mon
     replays group by group on the advantages' records."""
     usual = weights(flows.train.grpo_train(config(tmp_path / "usual", steps=1, groups=2, epochs=2), progress=False))
     calls = _calls(monkeypatch)
-    monkeypatch.setattr(flows.train, "needs_batch", lambda *a: True)
+    monkeypatch.setattr(flows.train, "needs_batch_advantages", lambda cfg: True)
     deferred = weights(flows.train.grpo_train(config(tmp_path / "deferred", steps=1, groups=2, epochs=2),
                                               progress=False))
     assert calls[:4] == [("reward_stage", 0), ("reward_stage", 1), ("advantage_stage", 0), ("advantage_stage", 1)]

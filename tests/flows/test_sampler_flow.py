@@ -18,7 +18,7 @@ from tests.train.test_sampler_backend import FAKE, FakeSampler
 
 def test_a_registered_sampler_drives_the_flow(tmp_path, monkeypatch):
     fake = FakeSampler()
-    monkeypatch.setitem(SAMPLERS, "fake", lambda: fake)
+    monkeypatch.setitem(SAMPLERS, "fake", lambda options: fake)
     cfg = config(tmp_path / "run", steps=1, rollout={"backend": "fake"})
     out = grpo_train(cfg, progress=False)
     assert len(fake.calls) == 1  # one group, one rollout

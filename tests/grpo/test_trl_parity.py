@@ -1,6 +1,8 @@
 """Every GRPO option == TRL 1.16's own `GRPOTrainer._compute_loss` (called, tests/grpo/trl_reference.py): loss and
 gradient of every parameter, exact mode, dense (qwen3) and hybrid (qwen3_5_text), off-policy with ratios inside and
-outside the clip bounds, on one transformers checkpoint that LongStraw loads with `load_model`.
+outside the clip bounds, on one transformers checkpoint that LongStraw loads with `load_model`. Every case runs
+again on multi-turn branches ("..., tool_mask"): tokens the model did not write masked (LongStraw's `masks`, TRL's
+`tool_mask`), where LongStraw gets NaN sampler log-probs and TRL the 0.0 its tool loop writes there.
 
 Controls: LongStraw with one option against TRL with its neighbour (token vs sequence level, cispo vs grpo, ...) must
 disagree far beyond the tolerance, so that a pass says the option was compared. Table of worst relative errors:
@@ -28,6 +30,9 @@ CLIP_LOW, CLIP_HIGH, DELTA = 0.2, 0.28, 1.5
 IS_MIN, IS_MAX = 0.5, 3.0  # rollout correction bounds
 OFF_POLICY_THRESHOLD = 0.5  # with the sampler's log-probs
 OLD_OFF_POLICY_THRESHOLD = 0.2  # without them: TRL (and LongStraw) then measure the drift from the old log-probs
+# tokens a tool wrote (False) in each response; response 0's third token (ratio above cispo's cap) and response 2's
+# fourth (correction weight above IS_MAX) stay the model's, so the masked cases still reach those bounds
+TOOL_MASK = [[1, 0, 1, 0, 1], [1], [1, 1, 1, 1, 0, 0, 1, 0, 1], [1, 0, 0, 1]]
 ENTROPY_COEF, KL_COEF = 0.5, 0.2  # large enough that their terms move the gradient well past the tolerance
 # fp32 on both sides, same weights, different kernels (TRL's chunked fused head over full prompt+completion rows vs
 # LongStraw's prompt capture + branch replay). Measured worst over all cases and both models: gradient 9.3e-7, loss
@@ -85,6 +90,8 @@ CASES: dict[str, tuple[dict, str]] = {
     "kl_coef use_bias_correction_kl sequence": (
         dict(OFF, kl_coef=KL_COEF, use_bias_correction_kl=True, importance_sampling_level="sequence"), "off"),
     "kl_coef dapo": (dict(OFF, loss_type="dapo", kl_coef=KL_COEF), "off"),
+    "kl_coef luspo sequence": (dict(OFF, loss_type="luspo", importance_sampling_level="sequence", kl_coef=KL_COEF),
+                               "off"),
     "rollout token_truncate": (dict(ROLL, rollout_correction="token_truncate"), "off"),
     "rollout token_mask": (dict(ROLL, rollout_correction="token_mask"), "off"),
     "rollout sequence_truncate": (dict(ROLL, rollout_correction="sequence_truncate"), "off"),
@@ -99,6 +106,7 @@ CASES: dict[str, tuple[dict, str]] = {
                          entropy_coef=ENTROPY_COEF, mask_truncated_completions=True,
                          rollout_correction="token_truncate"), "off"),
 }
+CASES |= {f"{name}, tool_mask": (options, f"{kind}, tool_mask") for name, (options, kind) in CASES.items()}
 # (LongStraw case, TRL case): the same data, one option apart; they must disagree. bnpo has no control: on one
 # micro-batch of one process it is dapo (both divide by the micro-batch's token count); they part only when TRL
 # accumulates several micro-batches, which a group never is
@@ -127,6 +135,11 @@ CONTROLS = [
     ("vespo rollout token_truncate", "vespo"),
     ("grpo", "grpo on-policy"),
     ("rollout token_truncate on-policy", "grpo on-policy"),
+    # the mask against none, for every normalisation and sequence-level reduction
+    *[(f"{case}, tool_mask", case) for case in ("grpo", "bnpo", "dapo", "dr_grpo default length", "cispo clip_high=5",
+                                                "sapo", "luspo sequence", "vespo", "grpo sequence", "off_policy_mask",
+                                                "entropy_coef + top_entropy_quantile=0.5", "kl_coef",
+                                                "rollout sequence_truncate")],
 ]
 
 
@@ -194,12 +207,15 @@ def longstraw_side(model_type: str, case: str) -> tuple[float, torch.Tensor]:
     options, kind = CASES[case]
     cfg = ls.GRPOConfig(**options)
     ours.zero_grad(set_to_none=True)
+    masks = [torch.tensor(m, dtype=torch.bool) for m in TOOL_MASK] if "tool_mask" in kind else None
+    sampler = None if "no sampler" in kind else data["sampler"]
+    if sampler is not None and masks is not None:  # the sampler scored only what it wrote
+        sampler = [s.masked_fill(~m, float("nan")) for s, m in zip(sampler, masks)]
     stats = ls.grpo_backward(
         ours, prompt, responses, ADV, mode="exact", config=cfg, engine=ENGINE,
-        old_logprobs=None if kind == "on" else data["old"],
+        old_logprobs=None if kind.startswith("on") else data["old"],
         ref_logprobs=data["ref"] if cfg.kl_coef > 0 else None,
-        sampler_logprobs=None if "no sampler" in kind else data["sampler"],
-        truncated=TRUNCATED)
+        sampler_logprobs=sampler, truncated=TRUNCATED, masks=masks)
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                       for _, p in ours.named_parameters()])
     return stats["loss"], grad
@@ -211,13 +227,16 @@ def trl_side(model_type: str, case: str) -> tuple[float, torch.Tensor]:
     options, kind = CASES[case]
     cfg = ls.GRPOConfig(**options)
     opts = trl_options(cfg, [r.numel() for r in responses])
+    masks = [torch.tensor(m, dtype=torch.bool) for m in TOOL_MASK] if "tool_mask" in kind else None
+    sampler = None if "no sampler" in kind else data["sampler"]
+    if sampler is not None and masks is not None:  # TRL's tool loop gives a tool's tokens the log-prob 0.0
+        sampler = [s.masked_fill(~m, 0.0) for s, m in zip(sampler, masks)]
     batch = trl_batch(
         prompt, responses, ADV,
-        old=None if kind == "on" else data["old"], ref=data["ref"] if cfg.kl_coef > 0 else None,
-        sampler=None if "no sampler" in kind else data["sampler"],
-        truncated=TRUNCATED if cfg.mask_truncated_completions else None,
+        old=None if kind.startswith("on") else data["old"], ref=data["ref"] if cfg.kl_coef > 0 else None,
+        sampler=sampler, truncated=TRUNCATED if cfg.mask_truncated_completions else None,
         rollout=(cfg.rollout_correction, cfg.rollout_correction_min, cfg.rollout_correction_max)
-        if cfg.rollout_correction != "off" else None, generation_logps=data["cur"])
+        if cfg.rollout_correction != "off" else None, generation_logps=data["cur"], tool_mask=masks)
     loss, grads = trl_loss_and_grad(hf, trl_config(**opts), batch)
     return loss, torch.cat([grads[n].flatten() for n, _ in ours.named_parameters()])
 

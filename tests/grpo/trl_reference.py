@@ -95,29 +95,36 @@ def pad_right(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
 
 
 def trl_batch(prompt: torch.Tensor, responses: list[torch.Tensor], advantages: list[float], *, old=None, ref=None,
-              sampler=None, truncated=None, rollout: tuple | None = None, generation_logps=None) -> dict:
+              sampler=None, truncated=None, rollout: tuple | None = None, generation_logps=None,
+              tool_mask: list[torch.Tensor] | None = None) -> dict:
     """The micro-batch `_compute_loss` takes, laid out as `_generate_and_score_completions` leaves it: the prompt
     repeated, completions right-padded, a truncated completion's mask zeroed (`mask_truncated_completions`), and
     `num_items_in_batch` the mask's token count. `rollout` = (mode, lo, hi) adds the sampler correction weights,
     from the trainer's log-probs at generation time: `old`, or `generation_logps` when on-policy (`old` None: TRL
-    then leaves `old_per_token_logps` out of the batch and `_compute_loss` takes its own detached log-probs)."""
+    then leaves `old_per_token_logps` out of the batch and `_compute_loss` takes its own detached log-probs).
+    `tool_mask` (bool per token, False on a tool's output) goes in as TRL's `tool_mask` (padded with 1, as TRL pads
+    it); `num_items_in_batch` and the correction weights then count the model's tokens only, as TRL computes them."""
     g = len(responses)
     mask = pad_right([torch.ones(r.numel(), dtype=torch.long) for r in responses])
     if truncated is not None:
         mask = mask * (~torch.tensor(truncated)).unsqueeze(1).long()
+    loss_mask = mask
     batch = {
         "prompt_ids": prompt.expand(g, -1), "prompt_mask": torch.ones(g, prompt.numel(), dtype=torch.long),
         "completion_ids": pad_right(responses, PAD).long(), "completion_mask": mask,
         "advantages": torch.tensor(advantages, dtype=torch.float32),
-        "num_items_in_batch": mask.sum(),
     }
+    if tool_mask is not None:
+        batch["tool_mask"] = pad_right([t.long() for t in tool_mask], 1)
+        loss_mask = mask * batch["tool_mask"]
+    batch["num_items_in_batch"] = loss_mask.sum()
     for key, rows in (("old_per_token_logps", old), ("ref_per_token_logps", ref),
                       ("sampling_per_token_logps", sampler)):
         if rows is not None:
             batch[key] = pad_right([r.float() for r in rows])
     if rollout is not None:
         trainer = pad_right([r.float() for r in (old if old is not None else generation_logps)])
-        batch["importance_sampling_ratio"] = rollout_weights(trainer, batch["sampling_per_token_logps"], mask,
+        batch["importance_sampling_ratio"] = rollout_weights(trainer, batch["sampling_per_token_logps"], loss_mask,
                                                              *rollout)
     return batch
 

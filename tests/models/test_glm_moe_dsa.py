@@ -251,7 +251,7 @@ def test_load_bfloat16_keeps_router_and_indexer_head_fp32(checkpoints):
     assert rel_err(got.float(), want) <= 5e-2
     assert max_abs(got, want) > 0  # bf16 really in use
     # the prefix state follows the model dtype
-    state = ls.capture(ours16, ids[0], 16)
+    state = ls.capture(ours16, ids[0], ls.EngineConfig(prompt_chunk=16))
     assert all(t.dtype == torch.bfloat16 for layer in state.layers for t in layer.tensors())
 
 
@@ -319,7 +319,8 @@ def test_config_variants_match_transformers(tmp_path, group, variant):
         got = ours(ids)
     assert max_abs(got, hf_logits(hf, ids)) <= 1e-4
     prompt, responses = group
-    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, engine=ls.EngineConfig(branch_batch=3))
+    got = ls.score(ours, ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=16)), responses,
+                   engine=ls.EngineConfig(branch_batch=3))
     for g, w in zip(got, hf_continuation(hf, prompt, responses)):
         assert max_abs(g, w) <= 1e-4
 
@@ -348,7 +349,7 @@ def continuations(checkpoints, group):
 def test_continuation_logprobs(checkpoints, group, continuations, recorded_selections, name, chunk, branch_batch):
     _, ours, _ = checkpoints[name]
     prompt, responses = group
-    state = ls.capture(ours, prompt, chunk)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=chunk))
     assert state.length == P - 1
     assert state.chunks[-1][1] == P - 1
     got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
@@ -369,7 +370,8 @@ def test_continuation_with_prefix_scored_in_small_blocks(checkpoints, group, con
     _, ours, _ = checkpoints[name]
     prompt, responses = group
     monkeypatch.setattr(sparse_module, "KEY_BLOCK", 5)
-    got = ls.score(ours, ls.capture(ours, prompt, 16), responses, engine=ls.EngineConfig(branch_batch=2))
+    got = ls.score(ours, ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=16)), responses,
+                   engine=ls.EngineConfig(branch_batch=2))
     for g, w in zip(got, continuations[name]):
         assert max_abs(g, w) <= 1e-4
 
@@ -412,7 +414,7 @@ def test_all_tied_scores_select_lowest_positions(checkpoints, group, recorded_se
     assert max_abs(got, hf_logits(hf_dense, ids)) > 1e-2  # the mask matters
 
     recorded_selections.clear()
-    state = ls.capture(ours, prompt, 9)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=9))
     got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=3))
     want = hf_continuation(hf_dense, prompt, responses, mask_k=SPARSE_K)
     for g, w in zip(got, want):
@@ -604,7 +606,7 @@ def test_prefix_state_matches_transformers_cache(checkpoints, group, name):
     cache = transformers.DynamicCache(config=hf.config)
     with torch.no_grad():
         hf(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
-    state = ls.capture(ours, prompt, 16)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=16))
     types = list(hf.config.indexer_types)
     assert len(state.layers) == 4
     for i, (s, c) in enumerate(zip(state.layers, cache.layers)):
@@ -636,7 +638,7 @@ def test_prefix_state_matches_transformers_cache(checkpoints, group, name):
 def test_state_unchanged_by_score(checkpoints, group):
     _, ours, _ = checkpoints["sparse"]
     prompt, responses = group
-    state = ls.capture(ours, prompt, 16)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=16))
     snapshot = state_tensors(state)
     first = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=3))
     again = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=1))

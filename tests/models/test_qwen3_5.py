@@ -197,7 +197,7 @@ def continuation(hf_and_ours):
 def test_continuation_logprobs(hf_and_ours, continuation, chunk, branch_batch):
     _, ours, _ = hf_and_ours
     prompt, responses, _, want = continuation
-    state = ls.capture(ours, prompt, chunk)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=chunk))
     assert state.length == P - 1
     assert state.chunks[0] == (0, min(chunk, P - 1)) and state.chunks[-1][1] == P - 1
     got = ls.score(ours, state, responses, engine=ls.EngineConfig(branch_batch=branch_batch))
@@ -215,7 +215,7 @@ def test_continuation_depends_on_prompt(hf_and_ours, continuation):
     prompt, responses, _, want = continuation
     other = prompt.clone()
     other[:10] = (other[:10] + 1) % 101  # only the first tokens differ; they reach the end through the state
-    got = ls.score(ours, ls.capture(ours, other, 64), responses)
+    got = ls.score(ours, ls.capture(ours, other, ls.EngineConfig(prompt_chunk=64)), responses)
     assert max(max_abs(g, w) for g, w in zip(got, want)) > 1e-3
 
 
@@ -223,7 +223,7 @@ def test_prefix_state_matches_cache(hf_and_ours, continuation):
     hf, ours, _ = hf_and_ours
     prompt, responses, cache, _ = continuation
     cfg = hf.config
-    state = ls.capture(ours, prompt, 37)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=37))
     kernel = cfg.linear_conv_kernel_dim
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
@@ -253,7 +253,7 @@ def test_prefix_state_matches_cache(hf_and_ours, continuation):
 def test_state_unchanged_by_score(hf_and_ours, continuation):
     _, ours, _ = hf_and_ours
     prompt, responses, _, want = continuation
-    state = ls.capture(ours, prompt, 64)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=64))
     snapshot = state_tensors(state)
     first = ls.score(ours, state, responses)
     for bb in (3, 2, 1):
@@ -348,10 +348,10 @@ def test_load_bfloat16(hf_and_ours):
     assert rel_err(got.float(), want) <= 5e-2
     assert max_abs(got, want) > 0  # bf16 really in use
     # the delta-rule state stays fp32 in a bf16 model, the conv tail follows the model dtype
-    state = ls.capture(ours16, ids[0], 37)
+    state = ls.capture(ours16, ids[0], ls.EngineConfig(prompt_chunk=37))
     lin = [s for s in state.layers if isinstance(s, RecurrentState)]
     assert lin and all(s.ssm.dtype == torch.float32 and s.conv.dtype == torch.bfloat16 for s in lin)
-    ref_state = ls.capture(ours, ids[0], 37)
+    ref_state = ls.capture(ours, ids[0], ls.EngineConfig(prompt_chunk=37))
     for s16, s32 in zip(state.layers, ref_state.layers):
         if isinstance(s32, RecurrentState):
             assert rel_err(s16.ssm, s32.ssm) <= 5e-2

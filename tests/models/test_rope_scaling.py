@@ -19,7 +19,7 @@ import yaml
 import longstraw as ls
 from longstraw.cli import main
 from longstraw.config import ModelSpec, StepConfig, load_config
-from longstraw.tools.plan import format_plan, plan
+from longstraw.tools.plan import Cluster, EngineChoice, Workload, format_plan, plan
 
 REF = Path(__file__).resolve().parents[1] / "fixtures" / "reference-configs"
 ORIGINAL = 64  # max_position_embeddings of the tiny checkpoints
@@ -146,7 +146,7 @@ def test_capture_accepts_the_scaled_positions(checkpoint):
     ours = ls.load_model(path, rope_scaling={"rope_type": "yarn", "factor": 4})
     prompt = ids(150, seed=1)[0]
     responses = [ids(n, seed=2 + n)[0] for n in (3, 40)]
-    state = ls.capture(ours, prompt, 64)
+    state = ls.capture(ours, prompt, ls.EngineConfig(prompt_chunk=64))
     assert state.length == 149
     got = ls.score(ours, state, responses)
     for r, g in zip(responses, got):
@@ -159,7 +159,7 @@ def test_positions_past_the_model_are_refused_with_the_option(checkpoint):
     path, _ = checkpoint
     plain = ls.load_model(path)
     with pytest.raises(ValueError) as e:
-        ls.capture(plain, ids(150)[0], 64)
+        ls.capture(plain, ids(150)[0], ls.EngineConfig(prompt_chunk=64))
     msg = str(e.value)
     assert "\n" not in msg
     assert msg == ("prompt of 150 tokens exceeds the model's 64 positions; extend them with RoPE scaling: "
@@ -168,7 +168,7 @@ def test_positions_past_the_model_are_refused_with_the_option(checkpoint):
     scaled = ls.load_model(path, rope_scaling={"rope_type": "yarn", "factor": 4})
     with pytest.raises(ValueError, match=r"prompt of 300 tokens exceeds the model's 256 positions; .*"
                                          r"factor: 8\}.*--rope-scaling yarn:8\)$"):
-        ls.capture(scaled, ids(300)[0], 64)
+        ls.capture(scaled, ids(300)[0], ls.EngineConfig(prompt_chunk=64))
     # prompt + response past the scaled positions: the GRPO step refuses before any compute
     with pytest.raises(ValueError, match=r"= 260 tokens exceeds the model's 256 positions; .*--rope-scaling yarn:8"):
         ls.grpo_backward(scaled, ids(200)[0], [ids(60)[0], ids(5)[0]], torch.tensor([1.0, -1.0]))
@@ -177,9 +177,9 @@ def test_positions_past_the_model_are_refused_with_the_option(checkpoint):
 def test_rollout_refuses_past_the_positions(checkpoint):
     path, _ = checkpoint
     scaled = ls.load_model(path, rope_scaling={"rope_type": "yarn", "factor": 4})
-    state = ls.capture(scaled, ids(250)[0], 64)
+    state = ls.capture(scaled, ids(250)[0], ls.EngineConfig(prompt_chunk=64))
     with pytest.raises(ValueError, match=r"exceeds the model's 256 positions; .*--rope-scaling yarn:8"):
-        ls.rollout(scaled, state, n=1, max_new_tokens=10)
+        ls.rollout(scaled, state, ls.SamplingSettings(max_new_tokens=10), ls.Draw(n=1))
 
 
 # --- the run config and the command line ---------------------------------------------------------------------------
@@ -230,8 +230,8 @@ def test_planner_says_fits_only_when_the_positions_are_accepted(capsys):
     """Qwen3.5-27B (262,144 positions) at 2,100,000 tokens + 1,024-token responses: capture would refuse them;
     yarn x8 gives 2,097,152 positions, still short; yarn x16 gives 4,194,304, and then the plan says "fits"."""
     cfg = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
-    kw = dict(zero=3, activation_bytes=10_000, offload="cpu")
-    bare = plan(cfg, 2_100_000, 8, 96, **kw)
+    cluster, engine = Cluster(8, 96, zero=3, offload="cpu"), EngineChoice(activation_bytes=10_000)
+    bare = plan(cfg, Workload(2_100_000), cluster, engine)
     assert (bare["positions"], bare["max_positions"]) == (2_101_024, 262_144)
     assert not bare["positions_accepted"] and bare["rope_scaling_needed"] == "yarn:16"
     assert bare["exact_fits"]  # in memory: so only the positions stop it
@@ -241,9 +241,9 @@ def test_planner_says_fits_only_when_the_positions_are_accepted(capsys):
     verdicts = [line for line in text.splitlines() if " mode: " in line]
     assert len(verdicts) == 2 and all(v.endswith("capture would refuse the prompt (positions), though it fits in "
                                                  "memory") for v in verdicts)
-    short = plan(cfg, 2_100_000, 8, 96, rope_scaling={"rope_type": "yarn", "factor": 8}, **kw)
+    short = plan(cfg, Workload(2_100_000, rope_scaling={"rope_type": "yarn", "factor": 8}), cluster, engine)
     assert short["max_positions"] == 8 * 262_144 and not short["positions_accepted"]
-    scaled = plan(cfg, 2_100_000, 8, 96, rope_scaling={"rope_type": "yarn", "factor": 16}, **kw)
+    scaled = plan(cfg, Workload(2_100_000, rope_scaling={"rope_type": "yarn", "factor": 16}), cluster, engine)
     assert scaled["max_positions"] == 16 * 262_144 and scaled["positions_accepted"]
     text = format_plan(scaled, 8, 8)
     verdicts = [line for line in text.splitlines() if " mode: " in line]
@@ -263,10 +263,10 @@ def test_planner_says_fits_only_when_the_positions_are_accepted(capsys):
 
 def test_glm5_at_the_seeds_length():
     cfg = json.loads((REF / "glm5" / "config.json").read_text())
-    bare = plan(cfg, 2_100_000, 32, 96, zero=3, activation_bytes=10_000)
+    cluster, engine = Cluster(32, 96, zero=3), EngineChoice(activation_bytes=10_000)
+    bare = plan(cfg, Workload(2_100_000), cluster, engine)
     assert bare["max_positions"] == 202_752 and bare["rope_scaling_needed"] == "yarn:16"
-    scaled = plan(cfg, 2_100_000, 32, 96, zero=3, activation_bytes=10_000,
-                  rope_scaling={"rope_type": "yarn", "factor": 16})
+    scaled = plan(cfg, Workload(2_100_000, rope_scaling={"rope_type": "yarn", "factor": 16}), cluster, engine)
     assert scaled["max_positions"] == 16 * 202_752 and scaled["positions_accepted"]
 
 

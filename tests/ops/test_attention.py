@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.ops import attention
-from longstraw.ops.attention import part_backward, part_forward, segment_attention
+from longstraw.ops.attention import SegmentContext, part_backward, part_forward, segment_attention
 
 KERNELS = ("flash", "torch")
 HEADS = ((4, 2), (2, 2))  # (H, Hkv): GQA and plain MHA
@@ -74,7 +74,7 @@ def test_prefix_forward_matches_reference(kernel, h, hkv, n, t, b):
     d = 16
     q, k, v, pk, pv = make_inputs(b, h, hkv, t, n, d)
     scale = d**-0.5
-    out = segment_attention(q, k, v, scale, prefix=(pk, pv), kernel=kernel)
+    out = segment_attention(q, k, v, scale, SegmentContext(prefix=(pk, pv), kernel=kernel))
     ref = reference_attention(*(x.double() for x in (q, k, v)), scale, pk.double(), pv.double())
     assert out.shape == (b, h, t, d)
     assert out.dtype == torch.float32
@@ -89,7 +89,7 @@ def test_prefix_backward_matches_reference(kernel, h, hkv, n, t, b):
     do = torch.randn(b, h, t, d)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
     gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
-    out = segment_attention(qq, kk, vv, scale, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    out = segment_attention(qq, kk, vv, scale, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
     out.backward(do)
     ref_out, (rq, rk, rv, rpk, rpv) = reference_grads(q, k, v, pk, pv, scale, do)
     assert max_err(out, ref_out) <= 1e-5
@@ -115,7 +115,7 @@ def test_prefix_grad_optional(kernel):
     scale = d**-0.5
     do = torch.randn(b, h, t, d)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
-    segment_attention(qq, kk, vv, scale, prefix=(pk, pv), kernel=kernel).backward(do)
+    segment_attention(qq, kk, vv, scale, SegmentContext(prefix=(pk, pv), kernel=kernel)).backward(do)
     _, (rq, rk, rv, _, _) = reference_grads(q, k, v, pk, pv, scale, do)
     assert max_err(qq.grad, rq) <= 2e-5
     assert max_err(kk.grad, rk) <= 2e-5
@@ -133,8 +133,8 @@ def test_prefix_grad_accumulates_over_backwards(kernel, h, hkv):
     do1, do2 = torch.randn(b, h, t, d), torch.randn(2, h, 4, d)
     gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
     qs = [x.clone().requires_grad_(True) for x in (q1, q2)]
-    o1 = segment_attention(qs[0], k1, v1, scale, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
-    o2 = segment_attention(qs[1], k2, v2, scale, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    o1 = segment_attention(qs[0], k1, v1, scale, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
+    o2 = segment_attention(qs[1], k2, v2, scale, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
     o1.backward(do1)
     after_first = gk.clone()
     o2.backward(do2)
@@ -155,7 +155,7 @@ def test_no_prefix_is_causal_attention(h, hkv, empty_prefix):
     scale = d**-0.5
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
     prefix = (pk, pv) if empty_prefix else None
-    out = segment_attention(qq, kk, vv, scale, prefix=prefix)
+    out = segment_attention(qq, kk, vv, scale, SegmentContext(prefix=prefix))
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     ref = reference_attention(*leaves, scale)
     assert max_err(out, ref) <= 1e-5
@@ -176,7 +176,7 @@ def test_float64_is_exact(kernel, h, hkv):
     do = torch.randn(b, h, t, d, dtype=torch.float64)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
     gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
-    out = segment_attention(qq, kk, vv, scale, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    out = segment_attention(qq, kk, vv, scale, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
     assert out.dtype == torch.float64
     out.backward(do)
     ref_out, (rq, rk, rv, rpk, rpv) = reference_grads(q, k, v, pk, pv, scale, do)
@@ -193,7 +193,7 @@ def test_bfloat16_runs_and_is_close(kernel):
     do = torch.randn(b, h, t, d).to(torch.bfloat16)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
     gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
-    out = segment_attention(qq, kk, vv, scale, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    out = segment_attention(qq, kk, vv, scale, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
     assert out.dtype == torch.bfloat16
     out.backward(do)
     ref_out, (rq, rk, rv, rpk, rpv) = reference_grads(q, k, v, pk, pv, scale, do)
@@ -258,7 +258,7 @@ def test_part_torch_matches_flash(causal, h, hkv, tq, tk, b):
 def test_auto_kernel_on_cpu_matches_reference():
     b, h, hkv, t, n, d = 2, 4, 2, 7, 5, 16
     q, k, v, pk, pv = make_inputs(b, h, hkv, t, n, d, seed=9)
-    out = segment_attention(q, k, v, d**-0.5, prefix=(pk, pv))
+    out = segment_attention(q, k, v, d**-0.5, SegmentContext(prefix=(pk, pv)))
     ref = reference_attention(*(x.double() for x in (q, k, v)), d**-0.5, pk.double(), pv.double())
     assert max_err(out, ref) <= 1e-5
     # sanity: the prefix matters (the test would catch a dropped prefix)
@@ -284,7 +284,8 @@ def test_strided_inputs_and_prefix_views(kernel):
     assert not pk.is_contiguous()
     do = torch.randn(b, t, h, d, generator=g).transpose(1, 2)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    out = segment_attention(*leaves, scale, prefix=(pk, pv), prefix_grad=(gkbuf[:, :n], gvbuf[:, :n]), kernel=kernel)
+    out = segment_attention(*leaves, scale,
+                            SegmentContext(prefix=(pk, pv), prefix_grad=(gkbuf[:, :n], gvbuf[:, :n]), kernel=kernel))
     out.backward(do)
     ref_out, (rq, rk, rv, rpk, rpv) = reference_grads(q, k, v, pk, pv, scale, do)
     assert max_err(out, ref_out) <= 1e-5
@@ -322,7 +323,7 @@ def test_cuda_kernels_plumbing_on_meta_tensors(kernel, dtype, monkeypatch):
     v = torch.empty(2, 2, 5, 16, **meta, requires_grad=True)
     pk, pv = torch.empty(2, 37, 16, **meta), torch.empty(2, 37, 16, **meta)
     gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
-    out = segment_attention(q, k, v, 0.25, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+    out = segment_attention(q, k, v, 0.25, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
     out.backward(torch.empty_like(out))
     assert out.shape == q.shape and out.dtype == dtype
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
@@ -341,7 +342,7 @@ def test_cuda_kernels_equal_the_reference(dtype, tol):
         q, k, v = (x.to(device, dt).requires_grad_() for x in args)
         pk, pv = (x.to(device, dt) for x in prefix)
         gk, gv = torch.zeros_like(pk), torch.zeros_like(pv)
-        out = segment_attention(q, k, v, 0.125, prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel)
+        out = segment_attention(q, k, v, 0.125, SegmentContext(prefix=(pk, pv), prefix_grad=(gk, gv), kernel=kernel))
         out.backward(do.to(device, dt))
         return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad, gk, gv)]
 

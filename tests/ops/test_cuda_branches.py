@@ -14,7 +14,8 @@ import torch
 
 import longstraw as ls
 from longstraw.ops import attention
-from longstraw.ops.attention import decode_attention, merge_parts, part_backward, part_forward, segment_attention
+from longstraw.ops.attention import (SegmentContext, decode_attention, merge_parts, part_backward, part_forward,
+                                     segment_attention)
 from tests import sdpa_standin
 from tests.conftest import GLM, flat_grad, rel_err, tiny_model
 from tests.sdpa_standin import ContractError
@@ -83,8 +84,9 @@ def test_prefix_lead_and_segment_parts(standin, small_row_blocks, kernel, dtype,
     do = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(9)).to(dtype)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     sinks = [torch.zeros(x.shape, dtype=torch.float32) for x in (pk, pv, lk, lv)]
-    out = segment_attention(*leaves, scale, prefix=(pk, pv), prefix_grad=(sinks[0], sinks[1]), kernel=kernel,
-                            lead=(lk, lv), lead_grad=(sinks[2], sinks[3]))
+    out = segment_attention(*leaves, scale,
+                            SegmentContext(prefix=(pk, pv), prefix_grad=(sinks[0], sinks[1]), kernel=kernel,
+                                           lead=(lk, lv), lead_grad=(sinks[2], sinks[3])))
     out.backward(do)
     assert out.dtype == dtype and all(x.grad.dtype == dtype for x in leaves)
     want_out, want = reference_grads([x.double() for x in (q, k, v, pk, pv, lk, lv)], scale, do)
@@ -147,7 +149,8 @@ def test_flash_takes_grouped_heads_unrepeated(standin):
         q, k, v, pk, pv, lk, lv = (x.to(dtype) for x in inputs(b, h, hkv, t, n, lead, d, seed=3))
         q.requires_grad_(True)
         standin.heads.clear()
-        segment_attention(q, k, v, d**-0.5, prefix=(pk, pv), kernel=kernel, lead=(lk, lv)).sum().backward()
+        segment_attention(q, k, v, d**-0.5,
+                          SegmentContext(prefix=(pk, pv), kernel=kernel, lead=(lk, lv))).sum().backward()
         seen = standin.heads
         if kernel == "cuda_flash":
             assert seen and all(kv == hkv for _, _, _, kv in seen), seen
@@ -202,7 +205,7 @@ def test_efficient_half_backward_gets_the_forwards_output_layout(standin):
     full = inputs(b, h, hkv, t, n, 0, d, seed=6)
     q, k, v, pk, pv = (x.to(torch.bfloat16) for x in full[:5])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = segment_attention(*leaves, d**-0.5, prefix=(pk, pv), kernel="cuda_efficient")
+    out = segment_attention(*leaves, d**-0.5, SegmentContext(prefix=(pk, pv), kernel="cuda_efficient"))
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     out.backward(do)
     empty = full[1][:, :, :0]
@@ -276,7 +279,7 @@ def test_every_cuda_call_site_in_attention_runs(standin, small_row_blocks, monke
     for dtype in (torch.bfloat16, torch.float32):  # as chosen on CUDA: flash, memory-efficient
         q, k, v, pk, pv, lk, lv = (x.to(dtype) for x in inputs(2, 4, 2, 5, 40, 20, 16, seed=11))
         q.requires_grad_(True)
-        segment_attention(q, k, v, 0.25, prefix=(pk, pv), lead=(lk, lv)).sum().backward()
+        segment_attention(q, k, v, 0.25, SegmentContext(prefix=(pk, pv), lead=(lk, lv))).sum().backward()
         decode_attention(q.detach()[:, :, :1], k, v, 0.25, prefix=(pk, pv))
     sites = sdpa_standin.call_sites(attention)
     ran = standin.paths(sites)

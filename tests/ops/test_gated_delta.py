@@ -268,7 +268,7 @@ def fp64_model_and_state():
                 p.add_(0.2 * torch.randn_like(p))
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 53, (40,), generator=gen)
-    state = ls.capture(model, prompt, 16)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16))
     response = torch.randint(0, 53, (6,), generator=gen)
     return model, state, response
 

@@ -17,13 +17,14 @@ import socket
 import time
 import traceback
 import warnings
-from pathlib import Path
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load, save
+
+from tests.progress import IdleWatch
 
 # a peer still importing or descheduled on a loaded machine is slow, not hung: the parent's CPU-time check
 # finds real hangs
@@ -54,15 +55,6 @@ def _worker(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
         queue.close()
         queue.join_thread()
         os._exit(code)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc; 0 where it cannot be read)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def _nothing_pending(queue) -> bool:
@@ -107,8 +99,7 @@ def _run_ranks_once(world: int, fn, args: tuple, timeout: float) -> list[dict[st
             os.environ["OMP_NUM_THREADS"] = omp
     results, errors = {}, {}
     try:
-        last_cpu: dict[int, float] = {}
-        last_progress = time.monotonic()
+        watch = IdleWatch(timeout)
         while len(results) + len(errors) < world:
             try:
                 rank, err, blob = queue.get(timeout=POLL_S)
@@ -120,10 +111,7 @@ def _run_ranks_once(world: int, fn, args: tuple, timeout: float) -> list[dict[st
                     raise (RankKilled if killed else RuntimeError)(
                         f"ranks {sorted(dead)} of {world} exited without a result (exit codes {dead}; negative: "
                         "killed by that signal, e.g. -6 an abort in malloc)")
-                cpu = {r: _cpu_seconds(procs[r].pid) for r in waiting}
-                if any(c > last_cpu.get(r, -1.0) for r, c in cpu.items()):
-                    last_cpu, last_progress = cpu, time.monotonic()
-                elif time.monotonic() - last_progress > timeout:
+                if watch.idle(procs[r].pid for r in waiting):
                     raise TimeoutError(f"ranks {waiting} of {world} used no CPU time for {timeout:.0f} s and sent "
                                        f"no result (a hang, e.g. a collective one rank never called); "
                                        f"reported: {sorted(results)}, failed: {sorted(errors)}")

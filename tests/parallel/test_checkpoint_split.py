@@ -27,7 +27,7 @@ def held_after_forward(rank: int, world: int) -> dict[str, torch.Tensor]:
     sp = SequenceParallel()
     model = tiny_model("qwen3")
     prompt = torch.randint(0, 97, (3 * CHUNK + 1,), generator=torch.Generator().manual_seed(0))
-    state = ls.capture(model, prompt, CHUNK, parallel=sp)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
     live = LiveBytes("cpu")
     for t in [*model.parameters(), *model.buffers(), state.prompt_ids,
               *(x for layer in state.layers for x in layer.tensors())]:

@@ -18,7 +18,8 @@ from tests.parallel.test_zero import _sp
 
 STOPS = list(range(0, 97, 3))  # a third of the vocab ends a branch: slices stop after a few tokens, at random
 # tempered and filtered: the sampler's log-probs differ from the temperature-1 ones
-KW = dict(n=1, max_new_tokens=24, temperature=0.8, top_k=40, stop_ids=STOPS, stop_check_every=1)
+SETTINGS = ls.SamplingSettings(max_new_tokens=24, temperature=0.8, top_k=40, stop_ids=STOPS)
+EVERY_STEP = ls.DecodeOptions(stop_check_every=1)
 
 
 def _setup():
@@ -31,8 +32,9 @@ def slice_rank(rank: int, world: int, seed: int) -> dict[str, torch.Tensor]:
     sp = _sp(world, dp=world)  # every rank its own sequence-parallel group of 1: `world` data-parallel groups
     model, prompt = _setup()
     shard_model(model, 3, sp)
-    state = ls.capture(model, prompt, 16, parallel=sp)
-    sample = ls.rollout(model, state, seed=seed, first_branch=sp.dp_rank, parallel=sp, **KW)[0]
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16), parallel=sp)
+    sample = ls.rollout(model, state, SETTINGS, ls.Draw(n=1, seed=seed, first_branch=sp.dp_rank), parallel=sp,
+                        decode=EVERY_STEP)[0]
     gathered = gather_samples(Ranks(sp, None, rank, world), [sample])
     out = {"tokens": sample.tokens, "logprobs": sample.logprobs, "sampler_logprobs": sample.sampler_logprobs}
     for i, s in enumerate(gathered):
@@ -44,9 +46,9 @@ def slice_rank(rank: int, world: int, seed: int) -> dict[str, torch.Tensor]:
 
 def test_slices_that_stop_apart_under_zero3_equal_one_process():
     model, prompt = _setup()
-    state = ls.capture(model, prompt, 16)
+    state = ls.capture(model, prompt, ls.EngineConfig(prompt_chunk=16))
     # a seed whose two branches stop at different steps (the case where a group would stop decoding alone)
-    runs = ((s, ls.rollout(model, state, seed=s, **KW | {"n": 2})) for s in range(50))
+    runs = ((s, ls.rollout(model, state, SETTINGS, ls.Draw(n=2, seed=s), decode=EVERY_STEP)) for s in range(50))
     seed, whole = next((s, w) for s, w in runs if len(w[0].tokens) != len(w[1].tokens))
     ranks = run_ranks(2, slice_rank, seed, timeout=120)
     for got, want in zip(ranks, whole, strict=True):

@@ -4,6 +4,8 @@ selects its top-20 over the whole sharded prefix (a 40-token prompt: sparse in m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ PROMPTS = {"qwen3": 23, "qwen3_5_text": 23, "glm_moe_dsa": 41}  # states of 22 /
 CHUNK = 4
 LENGTHS = (5, 2, 7)
 ADV = [1.0, -0.3, -0.7]
+GREEDY = ls.SamplingSettings(max_new_tokens=6, temperature=0)
+SAMPLED = ls.SamplingSettings(max_new_tokens=7, stop_ids=[3])
 
 
 def layout(length: int, world: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
@@ -49,10 +53,10 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
     m = model(arch)
     prompt, responses = group(arch)
     cfg = ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0)
-    state = ls.capture(m, prompt, CHUNK, parallel=sp)
+    state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
     out = {f"state.{i}.{j}": t for i, layer in enumerate(state.layers) for j, t in enumerate(layer.tensors())}
     out |= {f"logp.{i}": lp for i, lp in enumerate(ls.score(m, state, responses, parallel=sp))}
-    samples = ls.rollout(m, state, n=2, max_new_tokens=6, temperature=0, parallel=sp)
+    samples = ls.rollout(m, state, GREEDY, ls.Draw(n=2), parallel=sp)
     out |= {f"greedy.{i}": s.tokens for i, s in enumerate(samples)}
     for mode in ("detached", "exact"):
         m.zero_grad(set_to_none=True)
@@ -74,9 +78,9 @@ def one_rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
 def reference(arch: str) -> tuple[torch.nn.Module, ls.PrefixState, dict[str, torch.Tensor]]:
     m = model(arch)
     prompt, responses = group(arch)
-    state = ls.capture(m, prompt, CHUNK)
+    state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK))
     out = {f"logp.{i}": lp for i, lp in enumerate(ls.score(m, state, responses))}
-    out |= {f"greedy.{i}": s.tokens for i, s in enumerate(ls.rollout(m, state, n=2, max_new_tokens=6, temperature=0))}
+    out |= {f"greedy.{i}": s.tokens for i, s in enumerate(ls.rollout(m, state, GREEDY, ls.Draw(n=2)))}
     for mode in ("naive", "detached", "exact"):
         m.zero_grad(set_to_none=True)
         ls.grpo_backward(m, prompt, responses, ADV, mode=mode, engine=ls.EngineConfig(prompt_chunk=CHUNK))
@@ -136,7 +140,7 @@ def test_sparse_boundaries_are_regenerated_by_all_ranks(world, every):
     for s, d in zip(sparse, dense):
         assert rel_err(s["grad"], want) <= 1e-10
         assert torch.equal(s["grad"], sparse[0]["grad"])
-    fixed = sum(s.fixed_bytes for s in ls.capture(m, prompt, CHUNK).layers)
+    fixed = sum(s.fixed_bytes for s in ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK)).layers)
     # 22 tokens in chunks of 4: boundaries kept at chunks 0, k, 2k, ..., by the ranks in turn
     n = len(layout(22, world)[0])
     for r in range(world):
@@ -151,19 +155,23 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
     prompt, responses = group("qwen3")
     try:
         if case == "different prompts":
-            ls.capture(m, prompt if rank else prompt.flip(0), CHUNK, parallel=sp)
+            ls.capture(m, prompt if rank else prompt.flip(0), ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         elif case == "different responses":
             rs = responses if rank else responses[::-1]
             ls.grpo_backward(m, prompt, rs, ADV, engine=ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         elif case == "prompt shorter than the group":
-            ls.capture(m, prompt[:world], CHUNK, parallel=sp)
+            ls.capture(m, prompt[:world], ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
         elif case == "different chunk sizes":  # before any collective that depends on it, on every rank
-            ls.capture(m, prompt, CHUNK * 2 if rank == 1 else CHUNK, parallel=sp)
+            ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK * 2 if rank == 1 else CHUNK), parallel=sp)
+        elif case == "different plans":  # the same settings resolved apart: the plans the ranks run are checked
+            engine = ls.EngineConfig(prompt_chunk=CHUNK)
+            plan = ls.engine.plan_group(m, engine, prompt.numel(), parallel=sp, exact=False)
+            ls.capture(m, prompt, engine, plan=replace(plan, head_chunk=plan.head_chunk + rank), parallel=sp)
         elif case == "different branch batches":
-            state = ls.capture(m, prompt, CHUNK, parallel=sp)
+            state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK), parallel=sp)
             ls.score(m, state, responses, engine=ls.EngineConfig(branch_batch=1 + rank), parallel=sp)
         elif case == "state of another group":
-            state = ls.capture(m, prompt, CHUNK)
+            state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK))
             ls.score(m, state, responses, parallel=sp)
     except ValueError as e:
         return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
@@ -175,8 +183,9 @@ def bad_input(rank: int, world: int, case: str) -> dict[str, torch.Tensor]:
     ("different responses", "passed different responses"),
     ("prompt shorter than the group", "without a token"),
     ("state of another group", "one rank's shard|not rank"),
-    ("different chunk sizes", r"different capture settings \(prompt_chunk: rank 0 has 4, rank 1 has 8, rank 2 has 4\)"),
-    ("different branch batches", r"different score settings \(branch_batch: rank 0 has 1, rank 1 has 2, rank 2 has 3\)"),
+    ("different chunk sizes", r"different engine settings \(prompt_chunk: rank 0 has 4, rank 1 has 8, rank 2 has 4\)"),
+    ("different plans", r"different capture settings \(head_chunk: rank 0 has (\d+), rank 1 has (?!\1)\d+"),
+    ("different branch batches", r"different engine settings \(branch_batch: rank 0 has 1, rank 1 has 2, rank 2 has 3\)"),
 ])
 def test_bad_input_fails_clearly_on_every_rank(case, message):
     import re
@@ -281,15 +290,15 @@ def disagreeing_sampler_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
         rollout_module.sample_no_sync = lambda probs, gens: (real(probs, gens) + 1) % probs.shape[-1]
     m = model("qwen3_5_text")
     prompt, _ = group("qwen3_5_text")
-    state = ls.capture(m, prompt, CHUNK, parallel=SequenceParallel())
-    samples = ls.rollout(m, state, n=3, max_new_tokens=7, seed=5, stop_ids=[3], parallel=SequenceParallel())
+    state = ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK), parallel=SequenceParallel())
+    samples = ls.rollout(m, state, SAMPLED, ls.Draw(n=3, seed=5), parallel=SequenceParallel())
     return {f"tokens.{i}": s.tokens for i, s in enumerate(samples)}
 
 
 def test_sampled_tokens_are_agreed_inside_the_group():
     m = model("qwen3_5_text")
     prompt, _ = group("qwen3_5_text")
-    want = ls.rollout(m, ls.capture(m, prompt, CHUNK), n=3, max_new_tokens=7, seed=5, stop_ids=[3])
+    want = ls.rollout(m, ls.capture(m, prompt, ls.EngineConfig(prompt_chunk=CHUNK)), SAMPLED, ls.Draw(n=3, seed=5))
     ranks = run_ranks(2, disagreeing_sampler_rank, timeout=90)
     for r in ranks:
         assert [r[f"tokens.{i}"].tolist() for i in range(3)] == [s.tokens.tolist() for s in want]

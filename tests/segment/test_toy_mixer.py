@@ -249,12 +249,12 @@ def test_exact_prompt_backward_gives_the_naive_gradient(toy):
 
 def test_the_state_is_stored_and_decoded(toy, tmp_path):
     prompt, _ = group()
-    state = ls.capture(toy, prompt, CHUNK)
+    state = ls.capture(toy, prompt, ls.EngineConfig(prompt_chunk=CHUNK))
     assert [type(s) for s in state.layers] == [DecayState, ls.AttentionState] * 2
     save_state(state, str(tmp_path / "s"), weights_version="w", shard_tokens=5)
     back = load_state_shard(str(tmp_path / "s"), model=toy, weights_version="w")
     assert isinstance(back.layers[0], DecayState) and torch.equal(back.layers[0].h, state.layers[0].h)
-    samples = ls.rollout(toy, back, n=3, max_new_tokens=5, seed=0)
+    samples = ls.rollout(toy, back, ls.SamplingSettings(max_new_tokens=5), ls.Draw(n=3, seed=0))
     # each branch's sampled log-probs equal a replay of its tokens on the captured state
     for s, lp in zip(samples, ls.score(toy, state, [s.tokens for s in samples])):
         assert torch.allclose(s.logprobs.double(), lp, atol=1e-5)

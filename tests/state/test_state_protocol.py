@@ -14,7 +14,7 @@ from tests.conftest import GLM, tiny_model
 def captured(arch: str, tokens: int = 30):
     torch.manual_seed(0)
     model = ls.build_model(GLM) if arch == "glm_moe_dsa" else tiny_model(arch)
-    return model, ls.capture(model, torch.randint(0, 97, (tokens + 1,)), 8)
+    return model, ls.capture(model, torch.randint(0, 97, (tokens + 1,)), ls.EngineConfig(prompt_chunk=8))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "glm_moe_dsa"])

@@ -13,7 +13,7 @@ import longstraw as ls
 from longstraw.cli import main
 from longstraw.engine import activation_bytes_per_token
 from longstraw.tools.activations import activation_profile
-from longstraw.tools.plan import model_state_bytes, plan, smallest_fit
+from longstraw.tools.plan import Cluster, EngineChoice, Workload, model_state_bytes, plan, smallest_fit
 from longstraw.tools.state_size import state_size
 from tests.conftest import GLM, tiny_config
 
@@ -30,9 +30,9 @@ def test_proxies_measure_what_the_whole_model_saves(cfg):
 def test_per_rank_bytes_follow_zero_and_sequence_parallel():
     cfg = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
     size = state_size(cfg, 2_100_000, "bf16")
-    kw = dict(activation_bytes=10_000, chunk=2048, checkpoint_layers=False)
-    one = plan(cfg, 2_100_000, 8, 96, zero=1, **kw)
-    three = plan(cfg, 2_100_000, 8, 96, zero=3, **kw)
+    work, engine = Workload(2_100_000), EngineChoice(activation_bytes=10_000, chunk=2048, checkpoint_layers=False)
+    one = plan(cfg, work, Cluster(8, 96, zero=1), engine)
+    three = plan(cfg, work, Cluster(8, 96, zero=3), engine)
     psi = one["parameters"]
     assert 26e9 < psi < 28e9
     # bf16 weights and gradients (ZeRO-3: their shards); fp32 master, its gradient at the step, and moments sharded
@@ -40,9 +40,9 @@ def test_per_rank_bytes_follow_zero_and_sequence_parallel():
     assert three["per_rank"]["weights, gradients, optimizer"] == pytest.approx((2 + 16) * psi / 8)
     assert one["per_rank"]["state shard"] == pytest.approx(size["bytes_per_token"] * 2_100_000 / 8 + size["fixed_bytes"])
     assert three["exact_bytes"] < one["exact_bytes"] and three["detached_bytes"] < three["exact_bytes"]
-    n = smallest_fit(cfg, 2_100_000, 96, "exact", zero=3, **kw)
-    assert plan(cfg, 2_100_000, n, 96, zero=3, **kw)["exact_fits"]
-    assert not plan(cfg, 2_100_000, n // 2, 96, zero=3, **kw)["exact_fits"]
+    n = smallest_fit(cfg, work, Cluster(8, 96, zero=3), engine, "exact")
+    assert plan(cfg, work, Cluster(n, 96, zero=3), engine)["exact_fits"]
+    assert not plan(cfg, work, Cluster(n // 2, 96, zero=3), engine)["exact_fits"]
 
 
 def test_cli_prints_the_plan(capsys, tmp_path):
@@ -61,8 +61,9 @@ def test_boundary_states_follow_the_engines_sparse_rule():
     cfg = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
     fixed = state_size(cfg, 2_100_000, "bf16", 512)["fixed_bytes"]
     mine = -(-state_size(cfg, 2_100_000, "bf16", 512)["prompt_chunks"] // 8)
-    roomy = plan(cfg, 2_100_000, 8, 10_000, zero=3, chunk=512, activation_bytes=10_000, checkpoint_layers=False)
-    tight = plan(cfg, 2_100_000, 8, 96, zero=3, chunk=512, activation_bytes=10_000, checkpoint_layers=False)
+    engine = EngineChoice(chunk=512, activation_bytes=10_000, checkpoint_layers=False)
+    roomy = plan(cfg, Workload(2_100_000), Cluster(8, 10_000, zero=3), engine)
+    tight = plan(cfg, Workload(2_100_000), Cluster(8, 96, zero=3), engine)
     assert roomy["boundary_every"] == 1 and roomy["per_rank"]["boundary states"] == fixed * mine
     k = tight["boundary_every"]
     assert k == math.isqrt(mine - 1) + 1 > 1
@@ -73,9 +74,9 @@ def test_a_rank_holds_its_block_of_a_chunk_under_the_split_schedule():
     """Every family splits each chunk over the group: a rank's chunk activations are 1/C of a chunk's."""
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
     glm = json.loads((REF / "glm5" / "config.json").read_text())
-    kw = dict(activation_bytes=10_000, chunk=2048, checkpoint_layers=False)
-    q = plan(qwen, 2_100_000, 8, 96, zero=1, **kw)["per_rank"]["one chunk's activations"]
-    g = plan(glm, 2_100_000, 32, 96, zero=1, **kw)["per_rank"]["one chunk's activations"]
+    engine = EngineChoice(activation_bytes=10_000, chunk=2048, checkpoint_layers=False)
+    q = plan(qwen, Workload(2_100_000), Cluster(8, 96, zero=1), engine)["per_rank"]["one chunk's activations"]
+    g = plan(glm, Workload(2_100_000), Cluster(32, 96, zero=1), engine)["per_rank"]["one chunk's activations"]
     assert q == pytest.approx(10_000 * 2048 / 8, rel=1e-2) and g == pytest.approx(10_000 * 2048 / 32, rel=1e-2)
 
 
@@ -110,11 +111,12 @@ def test_zero3_picks_the_prompt_order_and_counts_its_weight_gathers():
 
     glm = json.loads((REF / "glm5" / "config.json").read_text())
     lora = {"r": 16, "target_modules": ["q_a_proj", "o_proj"]}
-    g = plan(glm, 2_100_000, 32, 141, zero=3, activation_bytes=10_000, chunk=2048, lora=lora)
+    engine = EngineChoice(activation_bytes=10_000, chunk=2048)
+    g = plan(glm, Workload(2_100_000, lora=lora), Cluster(32, 141, zero=3), engine)
     assert g["prompt_order"] == "layers"
     assert g["per_rank"]["layer-major checkpoints"] == pytest.approx(18 * 2_100_000 / 32 * 6144 * 2)
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
-    q = plan(qwen, 2_100_000, 8, 96, zero=3, activation_bytes=10_000, chunk=2048)
+    q = plan(qwen, Workload(2_100_000), Cluster(8, 96, zero=3), engine)
     assert q["prompt_order"] == "chunks" and q["per_rank"]["layer-major checkpoints"] == 0
     assert q["layer_major_bytes"] > 96e9 / 4
     chunks = -(-2_100_000 // 2048)
@@ -130,16 +132,18 @@ def test_search_takes_checkpointing_only_when_the_whole_graph_does_not_fit():
     """Of the (chunk, checkpointing) pairs that fit with a tenth of the GPU left, the plan takes the one without
     checkpointing and the largest chunk; on a smaller GPU it turns checkpointing on; a given pair is kept."""
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
-    kw = dict(zero=3, activation_bytes=20_000_000, offload="cpu", rope_scaling={"rope_type": "yarn", "factor": 16})
-    roomy = plan(qwen, 2_100_000, 8, 400, **kw)
+    work = Workload(2_100_000, rope_scaling={"rope_type": "yarn", "factor": 16})
+    engine = EngineChoice(activation_bytes=20_000_000)
+    roomy = plan(qwen, work, Cluster(8, 400, zero=3, offload="cpu"), engine)
     assert roomy["searched"] and not roomy["checkpoint_layers"] and roomy["chunk"] == 16384
-    tight = plan(qwen, 2_100_000, 8, 80, **kw)
+    tight = plan(qwen, work, Cluster(8, 80, zero=3, offload="cpu"), engine)
     assert tight["checkpoint_layers"] and tight["exact_bytes"] <= 0.9 * 80e9
     hidden = 5120 * 2
     block = tight["chunk"] / 8
     layer = -(-20_000_000 // 64)
     assert tight["per_rank"]["one chunk's activations"] == pytest.approx((64 * hidden + layer) * block)
-    given = plan(qwen, 2_100_000, 8, 80, chunk=1024, checkpoint_layers=False, **kw)
+    given = plan(qwen, work, Cluster(8, 80, zero=3, offload="cpu"),
+                 EngineChoice(chunk=1024, checkpoint_layers=False, activation_bytes=20_000_000))
     assert not given["searched"] and given["chunk"] == 1024 and not given["checkpoint_layers"]
     assert given["exact_bytes"] > tight["exact_bytes"]
 
@@ -167,18 +171,18 @@ def test_goal_qwen3_5_27b_fits_on_8_gpus(qwen_profile):
     fits with at least 8 GB to spare (and the rehearsal agrees with the planner), and detached at 4.46M positions
     fits; without RoPE scaling capture would refuse the prompt."""
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
-    kw = dict(zero=3, profile=qwen_profile, offload="cpu")
+    cluster, engine = Cluster(8, 96, zero=3, offload="cpu"), EngineChoice(profile=qwen_profile)
     rope = {"rope_type": "yarn", "factor": 16}
-    r = plan(qwen, 2_100_000, 8, 96, rope_scaling=rope, **kw)
+    r = plan(qwen, Workload(2_100_000, rope_scaling=rope), cluster, engine)
     assert r["positions_accepted"] and r["exact_fits"] and 96e9 - r["exact_bytes"] >= 8e9
     # the step's code at that size under fake tensors (rank 0 of 8) peaks within 10% of the planner's figure
     from longstraw.tools.rehearse import rehearse
 
     rehearsal = rehearse(qwen, 2_100_000, 8, r, ranks=[0], rope_scaling=rope)
     assert rehearsal["ratio"] == pytest.approx(1.0, abs=0.10)
-    stress = plan(qwen, 4_460_000, 8, 96, rope_scaling={"rope_type": "yarn", "factor": 32}, **kw)
+    stress = plan(qwen, Workload(4_460_000, rope_scaling={"rope_type": "yarn", "factor": 32}), cluster, engine)
     assert stress["positions_accepted"] and stress["detached_fits"]
-    assert not plan(qwen, 2_100_000, 8, 96, **kw)["positions_accepted"]
+    assert not plan(qwen, Workload(2_100_000), cluster, engine)["positions_accepted"]
 
 
 def test_glm5_fits_32_gpus_with_lora_by_expert_parallelism():
@@ -188,20 +192,21 @@ def test_glm5_fits_32_gpus_with_lora_by_expert_parallelism():
     too, holding its checkpoints on top. The flat activation figure stands in for the measured profile (the
     goal's own numbers: docs/planner.md)."""
     glm = json.loads((REF / "glm5" / "config.json").read_text())
-    kw = dict(zero=3, activation_bytes=40_000_000, rope_scaling={"rope_type": "yarn", "factor": 16},
-              lora={"r": 16, "target_modules": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]})
-    gathered = plan(glm, 2_100_000, 32, 96, expert_parallel=False, **kw)
-    local = plan(glm, 2_100_000, 32, 96, **kw)
+    work = Workload(2_100_000, rope_scaling={"rope_type": "yarn", "factor": 16},
+                    lora={"r": 16, "target_modules": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]})
+    engine = EngineChoice(activation_bytes=40_000_000)
+    gathered = plan(glm, work, Cluster(32, 96, zero=3, expert_parallel=False), engine)
+    local = plan(glm, work, Cluster(32, 96, zero=3), engine)
     assert local["expert_parallel"] and not gathered["expert_parallel"]
     assert not gathered["exact_fits"] and local["exact_fits"] and local["prompt_order"] == "chunks"
-    layers = plan(glm, 2_100_000, 32, 96, prompt_order="layers", **kw)
+    layers = plan(glm, work, Cluster(32, 96, zero=3), EngineChoice(activation_bytes=40_000_000, prompt_order="layers"))
     assert layers["exact_fits"] and layers["prompt_order"] == "layers"
     assert layers["exact_bytes"] == pytest.approx(local["exact_bytes"] + layers["per_rank"]["layer-major checkpoints"])
     experts = 2 * 2 * 256 * 3 * 6144 * 2048  # two layers' experts, bf16
     drop = gathered["per_rank"]["FSDP gathered units"] - local["per_rank"]["FSDP gathered units"]
     assert 0.95 * experts <= drop <= experts  # the largest unit is then a dense-MLP layer
     with pytest.raises(ValueError, match="split evenly over the 24 GPUs"):
-        plan(glm, 2_100_000, 24, 96, expert_parallel=True, **kw)
+        plan(glm, work, Cluster(24, 96, zero=3, expert_parallel=True), engine)
 
 
 def test_routing_replay_adds_each_ranks_prompt_experts_to_its_state():
@@ -210,9 +215,9 @@ def test_routing_replay_adds_each_ranks_prompt_experts_to_its_state():
     cfg = json.loads((REF / "glm5" / "config.json").read_text())
     moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"] - 1  # the last layer's MLP never runs
     assert cfg["n_routed_experts"] <= 256
-    kw = dict(zero=3, chunk=4096, checkpoint_layers=True, activation_bytes=10**6)
-    off = plan(cfg, 2_100_000, 8, 141, **kw)
-    on = plan(cfg, 2_100_000, 8, 141, routing_replay=True, **kw)
+    cluster, engine = Cluster(8, 141, zero=3), EngineChoice(chunk=4096, checkpoint_layers=True, activation_bytes=10**6)
+    off = plan(cfg, Workload(2_100_000), cluster, engine)
+    on = plan(cfg, Workload(2_100_000, routing_replay=True), cluster, engine)
     want = moe_layers * cfg["num_experts_per_tok"] * 2_100_000 / 8
     assert on["per_rank"]["MoE routing (replay)"] == pytest.approx(want)
     assert "MoE routing (replay)" not in off["per_rank"]

@@ -9,7 +9,7 @@ import torch
 
 import longstraw as ls
 from longstraw.parallel import SequenceParallel, shard_model
-from longstraw.tools.plan import plan
+from longstraw.tools.plan import Cluster, EngineChoice, Workload, plan
 from longstraw.tools.rehearse import LiveBytes, format_rehearsal, rehearse
 from tests.conftest import GLM, tiny_config
 from tests.parallel.launch import run_ranks
@@ -18,8 +18,8 @@ TOKENS, CHUNK, G, R = 256, 32, 4, 16
 
 
 def _plan(cfg: dict) -> dict:
-    return plan(cfg, TOKENS, 2, 1e-4, zero=3, chunk=CHUNK, checkpoint_layers=True, responses=G, response_tokens=R,
-                precision="fp32", activation_bytes=100_000)
+    return plan(cfg, Workload(TOKENS, responses=G, response_tokens=R), Cluster(2, 1e-4, zero=3, precision="fp32"),
+                EngineChoice(chunk=CHUNK, checkpoint_layers=True, activation_bytes=100_000))
 
 
 def real_rank(rank: int, world: int, cfg: dict, settings: dict) -> dict[str, torch.Tensor]:

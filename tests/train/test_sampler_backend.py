@@ -1,7 +1,8 @@
 """The rollout seam (`longstraw.sampler`): the worker draws its answers from the sampler `rollout.backend` names.
 A fake sampler registered here drives the worker's ops, and its answers are what the run trains on: the stored
-rollout holds them and the replay + prompt ops' gradient is `grpo_backward`'s on them. An unknown backend fails in
-the config, naming the accepted values."""
+rollout holds them and the replay + prompt ops' gradient is `grpo_backward`'s on them. A sampler registered with
+`register_sampler` is built with the config's `rollout.options`. An unknown backend fails in the config, naming the
+accepted values; so does an option the native sampler does not know."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import longstraw as ls
 from longstraw.data.tokenizer import load_tokenizer
 from longstraw.files import Artefact
 from longstraw.rollout import Sample
-from longstraw.sampler import SAMPLERS, Draw, NativeSampler, Sampler, SamplingSettings
+import longstraw.sampler as sampler_module
+from longstraw.sampler import SAMPLERS, Draw, NativeSampler, Sampler, SamplingSettings, register_sampler
 from longstraw.train import inputs
 from longstraw.train.data import prompt_ids, step_example
 from longstraw.train.worker import Worker
@@ -42,7 +44,7 @@ class FakeSampler:
 @pytest.fixture
 def fake(monkeypatch) -> FakeSampler:
     sampler = FakeSampler()
-    monkeypatch.setitem(SAMPLERS, "fake", lambda: sampler)
+    monkeypatch.setitem(SAMPLERS, "fake", lambda options: sampler)
     return sampler
 
 
@@ -72,6 +74,55 @@ def test_the_configured_sampler_draws_what_the_run_trains_on(tmp_path, fake):
 def test_the_native_sampler_is_the_default(tmp_path):
     w = Worker(make_cfg(tmp_path))
     assert isinstance(w.sampler, NativeSampler) and isinstance(w.sampler, Sampler)
+    assert w.sampler.decode == ls.DecodeOptions()
+
+
+class OptionsSampler(FakeSampler):
+    """A fake built from options, as a server's sampler would be (its address, say)."""
+
+    def __init__(self, options) -> None:
+        super().__init__()
+        self.options = options
+        built.append(self)
+
+
+built: list[OptionsSampler] = []
+
+
+@pytest.fixture
+def registry(monkeypatch) -> dict:
+    """A copy of the registry for the test to register into (the real one is left as it was)."""
+    monkeypatch.setattr(sampler_module, "SAMPLERS", dict(SAMPLERS))
+    built.clear()
+    return sampler_module.SAMPLERS
+
+
+def test_a_registered_sampler_is_built_with_the_config_options_and_called(tmp_path, registry):
+    register_sampler("server", OptionsSampler)
+    cfg = make_cfg(tmp_path, rollout={"backend": "server", "options": {"url": "http://x:8000", "batch": 4}})
+    w, *_ = step_group(cfg)
+    (made,) = built
+    assert w.sampler is made and made.options == {"url": "http://x:8000", "batch": 4}
+    assert len(made.calls) == 1 and made.calls[0][1].n == 4  # the worker's rollout op drew from it
+
+
+def test_a_name_taken_is_refused_unless_replaced(registry):
+    with pytest.raises(ValueError, match="already registered as 'native'; pick another name or pass replace=True"):
+        register_sampler("native", OptionsSampler)
+    assert registry["native"] is NativeSampler
+    register_sampler("native", OptionsSampler, replace=True)
+    assert registry["native"] is OptionsSampler
+
+
+def test_the_native_sampler_takes_the_decode_options(tmp_path):
+    cfg = make_cfg(tmp_path, rollout={"options": {"stop_check_every": 2, "static_shapes": True}})
+    assert Worker(cfg).sampler.decode == ls.DecodeOptions(stop_check_every=2, static_shapes=True)
+    with pytest.raises(ValidationError) as e:
+        make_cfg(tmp_path, rollout={"options": {"stop_every": 2}})
+    assert e.value.errors()[0]["msg"].endswith("rollout.options ['stop_every'] are not options of the native "
+                                               "sampler; accepted: stop_check_every, compile, static_shapes")
+    with pytest.raises(ValidationError, match="stop_check_every is an int >= 1"):
+        make_cfg(tmp_path, rollout={"options": {"stop_check_every": 0}})
 
 
 def test_an_unknown_backend_is_refused_naming_the_accepted_ones(tmp_path):
