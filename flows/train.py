@@ -183,6 +183,9 @@ def _metrics(cfg: TrainConfig, caps: list[dict], rolls: list[dict], rews: list[d
     for key in sorted({k for r in rews for k in r if k.startswith("rewards/")}):  # each reward function's mean
         m[key] = _mean([r[key] for r in rews if key in r])
     m |= _sampler_mismatch(cfg, replays)
+    if cfg.agent is not None:  # summed over the step's groups; turns per branch averaged
+        m |= {"turns_per_branch": _mean([r["turns_mean"] for r in rolls]),
+              **{k: sum(r[k] for r in rolls) for k in ("tool_calls", "tool_errors", "tool_seconds", "env_seconds")}}
     tokens = max(sum(r["tokens"] for r in replays), 1)
     if cfg.grpo.off_policy_mask_threshold is not None:  # responses the off-policy mask dropped, per epoch
         m["off_policy_masked"] = sum(r["off_policy_masked"] for r in replays) / cfg.epochs

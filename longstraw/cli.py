@@ -133,6 +133,10 @@ def _sft(args: argparse.Namespace) -> int:
     r = run_sft(cfg, progress=not args.no_progress)
     print(f"reward before {r['reward_before']:.3f} -> after {r['reward_after']:.3f} (final loss {r['final_loss']:.3f}, "
           f"{r['seconds']:.0f} s); checkpoint: {r['checkpoint']}")
+    if "call_rate_after" in r:  # an agent's warm start: multi-turn decode with the real tools
+        print(f"tool call rate {r['call_rate_before']:.3f} -> {r['call_rate_after']:.3f} (without errors "
+              f"{r['clean_call_rate_after']:.3f}), answer accuracy {r['accuracy_before']:.3f} -> "
+              f"{r['accuracy_after']:.3f}")
     _write_json(args.json, r)
     return 0
 

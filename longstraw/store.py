@@ -208,9 +208,10 @@ def read_manifest(url: str, storage_options: dict | None, fmt: tuple[str, int], 
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------
 
-# Version 2 with optional arrays added since: the sampler's log-probs, and the MoE routing. A rollout stored before
-# them still reads (its `sampler_logprobs` / `routing` None), and an older reader of a newer rollout reads what it
-# knows and ignores the rest.
+# Version 2 with optional arrays added since: the sampler's log-probs, the MoE routing, and the masks of multi-turn
+# branches (agents: True where the model wrote the token). A rollout stored before them still reads (its
+# `sampler_logprobs` / `routing` / `masks` None; no masks: every token is the model's), and an older reader of a
+# newer rollout reads what it knows and ignores the rest.
 ROLLOUT_FORMAT = ("longstraw.rollout", 2)
 
 BranchRouting = dict[int, torch.Tensor]  # MoE decoder-layer index -> expert ids [response tokens, top_k]
@@ -219,25 +220,29 @@ BranchRouting = dict[int, torch.Tensor]  # MoE decoder-layer index -> expert ids
 class StoredRollout(NamedTuple):
     """A group's sampled answers as stored: token ids, their log-probs at temperature 1 (GRPO's old log-probs), the
     log-probs under the distribution they were drawn from (None in a rollout stored before they were kept), the
-    JSON meta (texts, finish reasons, the example), and each answer's MoE routing (None: not recorded)."""
+    JSON meta (texts, finish reasons, the example; an agent's turns), each answer's MoE routing (None: not recorded)
+    and each answer's bool mask, True where the model wrote the token (None: every token is the model's)."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     sampler_logprobs: list[torch.Tensor] | None
     meta: dict
     routing: list[BranchRouting] | None = None
+    masks: list[torch.Tensor] | None = None
 
 
 def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.Tensor], meta: dict, *,
                  sampler_logprobs: list[torch.Tensor] | None = None, routing: list[BranchRouting] | None = None,
-                 storage_options: dict | None = None) -> dict:
+                 masks: list[torch.Tensor] | None = None, storage_options: dict | None = None) -> dict:
     """Store a group's sampled responses (token ids), their log-probs (temperature 1), the sampler's log-probs
     (under the tempered, filtered distribution each token was drawn from), their MoE routing (`Sample.routing`:
     by MoE layer, the experts [tokens, top_k] each token's decode step went to) and a JSON-able `meta` (texts,
     finish reasons) at `url`: ragged rows concatenated, with offsets; committed and checksummed like a state. The
     routing is one array [tokens, MoE layers, top_k] (uint8 up to 256 experts), its layers listed in the
-    manifest: two files, not two per layer."""
-    per_token = {"log-prob": logprobs} | ({} if sampler_logprobs is None else {"sampler log-prob": sampler_logprobs})
+    manifest: two files, not two per layer. `masks` (multi-turn branches): one bool per token, True where the
+    model wrote it (False on an environment's observation tokens)."""
+    per_token = ({"log-prob": logprobs} | ({} if sampler_logprobs is None else {"sampler log-prob": sampler_logprobs})
+                 | ({} if masks is None else {"mask": masks}))
     for what, values in per_token.items():
         if len(responses) != len(values) or any(r.numel() != v.numel() for r, v in zip(responses, values)):
             raise ValueError(f"save_rollout needs one {what} per response token")
@@ -254,6 +259,8 @@ def save_rollout(url: str, responses: list[torch.Tensor], logprobs: list[torch.T
         if sampler_logprobs is not None:
             arrays["sampler_logprobs"] = _write_tensor(root, "sampler_logprobs",
                                                        torch.cat(sampler_logprobs).float().cpu(), None)
+        if masks is not None:  # as bytes 0/1
+            arrays["masks"] = _write_tensor(root, "masks", torch.cat(masks).to(torch.uint8).cpu(), None)
         extra = {}
         if packed is not None:
             arrays["routing"] = _write_tensor(root, "routing", packed, None)
@@ -303,8 +310,8 @@ def load_rollout(url: str, *, storage_options: dict | None = None, digest: str |
               for k, spec in manifest["arrays"].items()}
     o = arrays["offsets"].tolist()
     rows = lambda a: [a[o[i] : o[i + 1]] for i in range(manifest["responses"])]  # noqa: E731
-    sampler, routed = arrays.get("sampler_logprobs"), arrays.get("routing")
+    sampler, routed, masks = arrays.get("sampler_logprobs"), arrays.get("routing"), arrays.get("masks")
     routing = None if routed is None else \
         [{j: r[:, l].contiguous() for l, j in enumerate(manifest["routing_layers"])} for r in rows(routed)]
     return StoredRollout(rows(arrays["tokens"]), rows(arrays["logprobs"]), None if sampler is None else rows(sampler),
-                         manifest["meta"], routing)
+                         manifest["meta"], routing, None if masks is None else rows(masks.bool()))

@@ -22,7 +22,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from prefect import Task, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.tasks import exponential_backoff
 
@@ -111,9 +111,16 @@ def capture(run: Run, weights_version: str, step: int, group: int, epoch: int, r
 @_stage("rollout", cached=True, on_ranks=True)
 def rollout(run: Run, weights_version: str, state: dict, step: int, group: int, parent_run_id: str | None = None
             ) -> dict:
-    """`Worker.rollout`: sample the group's answers and store them."""
-    return _op(run, "rollout", parent_run_id, dict(weights_version=weights_version, state=state, step=step,
-                                                   group=group))
+    """`Worker.rollout`: sample the group's answers and store them. An agent's rollout logs its time in the
+    environments and tools apart from the decode's (its result holds `env_seconds`, `tool_seconds`, ...)."""
+    out = _op(run, "rollout", parent_run_id, dict(weights_version=weights_version, state=state, step=step,
+                                                  group=group))
+    if "env_seconds" in out:
+        get_run_logger().info(
+            "rollout step %d group %d: %.2f s, of which %.2f s waiting on the environments (tools: %d calls, %d "
+            "errors, %.2f s summed over calls); %.2f turns per branch", step, group, out["seconds"],
+            out["env_seconds"], out["tool_calls"], out["tool_errors"], out["tool_seconds"], out["turns_mean"])
+    return out
 
 
 @_stage("reference", cached=True, on_ranks=True)

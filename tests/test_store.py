@@ -310,10 +310,11 @@ def test_rollout_round_trip_corruption_and_bad_input(tmp_path):
     logps = [torch.randn(r.numel()) for r in responses]
     url = str(tmp_path / "rollouts" / "g0")
     save_rollout(url, responses, logps, {"texts": ["a", "b", "c"], "finish_reasons": ["stop", "length", "length"]})
-    got_r, got_lp, got_sampler, meta, got_routing = load_rollout(url)
+    got_r, got_lp, got_sampler, meta, got_routing, got_masks = load_rollout(url)
     assert all(torch.equal(a, b) for a, b in zip(got_r, responses)) and len(got_r) == 3
     assert all(torch.equal(a, b) for a, b in zip(got_lp, logps))
     assert meta["texts"] == ["a", "b", "c"] and got_sampler is None and got_routing is None  # none given
+    assert got_masks is None
     shard = tmp_path / "rollouts" / "g0" / "logprobs" / "c" / "0"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x10

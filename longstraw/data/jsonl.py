@@ -60,10 +60,11 @@ def _example(raw: bytes, lineno: int, path: str | os.PathLike) -> Example | None
         raise ValueError(f"{where}: not UTF-8 ({e}); save the file as UTF-8") from None
     if not line.strip():
         return None
+    line = line.rstrip("\r\n")  # else a line cut short is reported at "line 2 column 1": its own newline
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: bad JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+        raise ValueError(f"{where}: bad JSON ({e.msg} at column {e.pos + 1}); each line must be one JSON "
                          f"object like {_EXAMPLE}") from None
     return _parse(obj, where)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import inspect
 
 from ..data import Example, Tokenizer
-from . import kv_retrieval, multi_hop, needle_count
+from . import kv_retrieval, multi_hop, needle_count, record_lookup
 from .base import Problem
 
-PROBLEMS: dict[str, Problem] = {t.name: t for t in (kv_retrieval.PROBLEM, multi_hop.PROBLEM, needle_count.PROBLEM)}
+PROBLEMS: dict[str, Problem] = {t.name: t for t in (kv_retrieval.PROBLEM, multi_hop.PROBLEM, needle_count.PROBLEM,
+                                                    record_lookup.PROBLEM)}
 
 
 def get_problem(name: str) -> Problem:

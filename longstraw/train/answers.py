@@ -20,36 +20,46 @@ from .spmd import Ranks
 class Answers(NamedTuple):
     """What a group's reference and replay ops take of its rollout (rank 0's values, as the store holds them): the
     answers' token ids, their log-probs at temperature 1, their log-probs under the distribution the sampler drew
-    them from (None: a rollout stored before those were kept), why each ended ("stop" or "length"), and each one's
-    MoE routing: by MoE layer, the experts [tokens, top_k] (None: not recorded)."""
+    them from (None: a rollout stored before those were kept), why each ended ("stop" or "length"; an agent's
+    branch also "turns"), each one's MoE routing: by MoE layer, the experts [tokens, top_k] (None: not recorded),
+    and each one's bool mask, True where the model wrote the token (None: every token is the model's)."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     sampler_logprobs: list[torch.Tensor] | None
     finish_reasons: list[str]
     routing: list[dict[int, torch.Tensor]] | None = None
+    masks: list[torch.Tensor] | None = None
 
     @classmethod
     def stored(cls, got: StoredRollout) -> "Answers":
         """The answers of a rollout read from the store."""
-        return cls(got.responses, got.logprobs, got.sampler_logprobs, got.meta["finish_reasons"], got.routing)
+        return cls(got.responses, got.logprobs, got.sampler_logprobs, got.meta["finish_reasons"], got.routing,
+                   got.masks)
 
 
 def gather_samples(ranks: Ranks, samples: list[Sample]) -> list[Sample]:
-    """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly)."""
-    parallel = ranks.parallel
-    mine = {"dp": parallel.dp_rank, "sp": parallel.rank,
-            "samples": [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason,
-                         None if s.routing is None else {str(j): ids.tolist() for j, ids in s.routing.items()}]
-                        for s in samples]}
-    slices = sorted((r for r in ranks.gather(mine) if r["sp"] == 0), key=lambda r: r["dp"])
+    """Every data-parallel group's samples, in branch order (JSON: fp32 log-probs round-trip exactly, and the NaN
+    sampler log-probs of an agent's observation tokens too)."""
+    mine = [[s.tokens.tolist(), s.logprobs.tolist(), s.sampler_logprobs.tolist(), s.finish_reason,
+             None if s.routing is None else {str(j): ids.tolist() for j, ids in s.routing.items()},
+             None if s.mask is None else s.mask.tolist(), s.turns] for s in samples]
     fp32 = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
     # expert ids in the dtype this rank's own samples hold them in (every group records alike)
     dtypes = {str(j): ids.dtype for j, ids in (samples[0].routing or {}).items()}
     experts = lambda routed: {int(j): torch.tensor(v, dtype=dtypes[j]) for j, v in routed.items()}  # noqa: E731
     return [Sample(torch.tensor(t, dtype=torch.long), fp32(lp), fp32(slp), reason,
-                   None if routed is None else experts(routed))
-            for r in slices for t, lp, slp, reason, routed in r["samples"]]
+                   None if routed is None else experts(routed), None if mask is None else torch.tensor(mask),
+                   turns)
+            for t, lp, slp, reason, routed, mask, turns in gather_slices(ranks, mine)]
+
+
+def gather_slices(ranks: Ranks, mine: list) -> list:
+    """Every data-parallel group's list (JSON), as rank 0 of each sequence-parallel group holds it, joined in
+    branch order."""
+    parallel = ranks.parallel
+    got = ranks.gather({"dp": parallel.dp_rank, "sp": parallel.rank, "items": mine})
+    return [x for r in sorted((r for r in got if r["sp"] == 0), key=lambda r: r["dp"]) for x in r["items"]]
 
 
 def as_rank0_stored(ranks: Ranks, stored: Artefact | None, lists: list[list[torch.Tensor]]
@@ -75,11 +85,17 @@ def sampled_answers(ranks: Ranks, stored: Artefact | None, samples: list[Sample]
     # the routing as one list of tensors per MoE layer (the store's values: its integer ids, in their dtype)
     layers = sorted(samples[0].routing) if with_routing else []
     by_layer = [[s.routing[j].cpu() for s in samples] for j in layers]
-    stored, (tokens, logps, sampler, *by_layer) = as_rank0_stored(ranks, stored, [tokens, logps, sampler, *by_layer])
+    # an agent's masks: where the model wrote (None: a one-turn answer, all of it the model's)
+    masked = samples[0].mask is not None
+    masks = [[s.mask.cpu() for s in samples]] if masked else []
+    stored, (tokens, logps, sampler, *rest) = as_rank0_stored(ranks, stored,
+                                                              [tokens, logps, sampler, *masks, *by_layer])
+    masks, by_layer = (rest[0], rest[1:]) if masked else (None, rest)
     routing = ([{j: ids[i] for j, ids in zip(layers, by_layer)} for i in range(len(samples))] if with_routing
                else None)
-    # finish reasons follow from the tokens (a stop id last or not), and every rank holds rank 0's tokens
-    return stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples], routing)
+    # finish reasons follow from the tokens (a stop id last or not, the envs' replies, which rank 0 broadcast),
+    # and every rank holds rank 0's tokens
+    return stored, Answers(tokens, logps, sampler, [s.finish_reason for s in samples], routing, masks)
 
 
 def replayed_routing(model: nn.Module, answers: Answers, rollout: dict, state: dict, prefix: PrefixState

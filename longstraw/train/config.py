@@ -192,6 +192,30 @@ class RolloutConfig(_Strict):
         return self
 
 
+ENV_REWARD = "env"  # the reserved reward: the rewards the agent's environment gave, stored with the rollout
+
+
+class AgentConfig(_Strict):
+    """Multi-turn branches with tools (docs/agents.md): each branch talks to its own environment, made from the
+    group's example; the rollout stores every turn, so a resume never calls the tools again."""
+
+    env: str = Field(..., description="a built-in environment (longstraw/agents/builtin.py, e.g. record-lookup) or "
+                     "'module:function', a factory make_env(example: dict) -> Environment")
+    tools: str | None = Field(None, description="'module:attr' naming a ToolRegistry (or a function returning one); "
+                              "null: the built-in environment's tools, or the env module's attribute `tools`")
+    max_turns: int = Field(3, ge=1, description="turns the model writes per branch at most")
+    tool_timeout: float = Field(10.0, gt=0, description="seconds per tool call; a call past it is an error "
+                                "observation")
+
+    @field_validator("env")
+    @classmethod
+    def _env_named(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("agent.env is empty; name a built-in environment (e.g. record-lookup) or give "
+                             "'module:function'")
+        return v
+
+
 class TrackingConfig(_Strict):
     uri: str | None = Field(None, description="MLflow tracking URI; default: sqlite:///<run_dir>/mlflow.db")
     experiment: str = "longstraw"
@@ -223,9 +247,12 @@ class TrainConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     rollout: RolloutConfig = Field(RolloutConfig(), description="which sampler draws the answers")
+    agent: AgentConfig | None = Field(None, description="multi-turn branches with tools (docs/agents.md); absent: "
+                                      "one answer per branch")
     reward: str | list[str] | None = Field(
         None, description="reward name or module:function, or a list of them (several reward functions, weighted by "
-        "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier")
+        "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier, or `env` "
+        "(the rewards its environments gave) with `agent`")
     mode: Literal["naive", "detached", "exact"] = "exact"
     epochs: int = Field(1, ge=1, description="optimizer updates per rollout (>1: off-policy, clipping active)")
     moe_routing_replay: bool = Field(
@@ -291,13 +318,14 @@ class TrainConfig(_Strict):
     def _source(self) -> "TrainConfig":
         if (self.task is None) == (self.dataset is None):
             raise ValueError("set exactly one of `task` (a built-in task) or `dataset` (a JSONL file)")
-        if self.dataset is not None and self.reward is None:
+        if self.dataset is not None and self.reward is None and self.agent is None:
             raise ValueError("a dataset needs a `reward` (e.g. exact_match, number_match or module:function)")
         weights, rewards = self.grpo.reward_weights, self.rewards
         if weights is not None and len(weights) != len(rewards):
             raise ValueError(f"grpo.reward_weights has {len(weights)} weight(s) for {len(rewards)} reward "
                              f"function(s) ({', '.join(rewards)}); give one weight per entry of `reward`, in its "
                              "order")
+        self._agent_fits()
         p = self.pipeline
         if p.nproc > 1 and self.mode == "naive":
             raise ValueError("mode naive is the one-process reference (every branch recomputes the prompt); run it "
@@ -317,11 +345,22 @@ class TrainConfig(_Strict):
                              "pipeline.nproc > 1 or zero_stage 0")
         return self
 
+    def _agent_fits(self) -> None:
+        named = [self.reward] if isinstance(self.reward, str) else self.reward or []
+        if self.agent is None:
+            if ENV_REWARD in named:
+                raise ValueError(f"reward {ENV_REWARD!r} is the rewards an agent's environment gives, but no `agent` "
+                                 "is set; add an agent section (agent: {env: ...}) or choose another reward")
+            return
+        if self.rollout.backend != "native":
+            raise ValueError(f"agent branches decode on LongStraw's own sampler, but rollout.backend is "
+                             f"{self.rollout.backend!r}; set rollout.backend: native (or remove agent)")
+
     @property
     def rewards(self) -> list[str]:
-        """The reward functions, in order: `reward` as a list, or the task's verifier."""
+        """The reward functions, in order: `reward` as a list, or the task's verifier (`env` with an agent)."""
         if self.reward is None:
-            return [self.task]
+            return [ENV_REWARD] if self.agent is not None else [self.task]
         return [self.reward] if isinstance(self.reward, str) else list(self.reward)
 
     @property

@@ -38,5 +38,8 @@ def step_example(cfg: TrainConfig, tok: Tokenizer, step: int, group: int) -> Exa
 
 
 def prompt_ids(tok: Tokenizer, ex: Example) -> list[int]:
-    """The prompt as the model sees it: a user turn in the tokenizer's chat format, ready for the answer."""
+    """The prompt as the model sees it: a user turn in the tokenizer's chat format, ready for the answer; a prompt
+    already in the chat format (`meta["chat_prompt"]`: an agent task's, its tools listed) as it is."""
+    if ex.meta.get("chat_prompt"):
+        return tok.encode(ex.prompt)
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": ex.prompt}]))

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ..agents import ToolChat
+from ..agents.builtin import resolve_environment
 from ..data import Example, check_vocab, load_tokenizer
 from ..grpo.advantages import advantages, needs_batch, weighted_rewards
 from ..grpo.rewards import compute_rewards, get_reward
@@ -30,7 +32,7 @@ from ..models.registry import build, config_from_hf
 from ..files import Artefact
 from ..store import StoredRollout, load_rollout
 from .artifacts import load_json, save_json
-from .config import TrainConfig
+from .config import ENV_REWARD, TrainConfig
 from .data import prompt_ids, step_example
 
 
@@ -44,7 +46,13 @@ def make_prompt(cfg: TrainConfig, step: int, group: int, vocab: int) -> tuple[to
 
 
 def example_record(ex: Example) -> dict:
+    """What the state and the rollout store of a group's example (not its prompt: the state holds its tokens)."""
     return {"answer": ex.answer, "meta": ex.meta}
+
+
+def env_example(ex: Example) -> dict:
+    """The example an agent's environment is made from: {prompt, answer, meta}."""
+    return {"prompt": ex.prompt, **example_record(ex)}
 
 
 # ---- run set-up ---------------------------------------------------------------------------------------------
@@ -56,7 +64,10 @@ def preflight(cfg: TrainConfig) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     ids = prompt_ids(tok, step_example(cfg, tok, 0, 0))
     for name in cfg.rewards:
-        get_reward(name)
+        if name != ENV_REWARD:  # the environment's, stored with the rollout
+            get_reward(name)
+    if cfg.agent is not None:  # the environment and its tools resolve, the chat format renders them
+        ToolChat(tok, resolve_environment(cfg.agent)[1])
     hf = cfg.model.hf_config()
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
@@ -68,13 +79,18 @@ def preflight(cfg: TrainConfig) -> None:
         if cfg.moe_routing_replay and not moe_layers(skeleton):
             raise ValueError(f"moe_routing_replay replays the experts a MoE model's tokens were routed to, but this "
                              f"{hf['model_type']} model has no MoE layer; set moe_routing_replay: false")
+    # prompt_tokens sizes generated tasks only; a dataset's prompts are as long as the file makes them
+    source = (f"prompt_tokens {cfg.prompt_tokens}" if cfg.task is not None
+              else f"the first example of {cfg.dataset}")
     if len(ids) - 1 < (sp := cfg.pipeline.sequence_parallel):
-        raise ValueError(f"a prompt of {len(ids)} tokens leaves some of the {sp} sequence-parallel ranks without a "
-                         "token; raise prompt_tokens or lower pipeline.sp")
+        longer = "raise prompt_tokens" if cfg.task is not None else "use longer prompts"
+        raise ValueError(f"a prompt of {len(ids)} tokens ({source}) leaves some of the {sp} sequence-parallel ranks "
+                         f"without a token; {longer} or lower pipeline.sp")
     if len(ids) + cfg.max_new_tokens > mc.max_positions:
-        raise ValueError(mc.positions_error(f"a prompt of {len(ids):,} tokens (prompt_tokens {cfg.prompt_tokens} and "
-                                            f"the chat template) + max_new_tokens {cfg.max_new_tokens}",
-                                            len(ids) + cfg.max_new_tokens) + "; or lower prompt_tokens")
+        shorter = "lower prompt_tokens" if cfg.task is not None else "shorten the dataset's prompts"
+        raise ValueError(mc.positions_error(f"a prompt of {len(ids):,} tokens ({source} and the chat template) + "
+                                            f"max_new_tokens {cfg.max_new_tokens}",
+                                            len(ids) + cfg.max_new_tokens) + f"; or {shorter}")
 
 
 # ---- the reward --------------------------------------------------------------------------------------------
@@ -94,12 +110,26 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
     advantages the replay reads (else `advantage_stage` writes them)."""
     t0 = time.perf_counter()
     meta = read_rollout(cfg, Artefact.from_json(rollout)).meta
+    if ENV_REWARD in cfg.rewards and "agent" not in meta:
+        raise ValueError(f"reward {ENV_REWARD!r} reads the environments' rewards stored with the rollout, but the "
+                         f"rollout at {rollout['path']} holds none (sampled without an agent); delete it so that its "
+                         "step samples it again")
     if (ex := meta.get("example")) is None:  # a rollout stored without its example
         ex = example_record(step_example(cfg, load_tokenizer(cfg.tokenizer), step, group))
     prompt_meta = ex["meta"] | {"answer": ex["answer"]}
     texts = meta["texts"]
     per_function, failed = {}, 0
     for name in cfg.rewards:
+        if name == ENV_REWARD:
+            # None: the environment gave none. A branch cut short before it did (its budget or max_turns spent)
+            # failed the task and scores 0, else a policy that rambles past every feedback would never be
+            # pushed back; an environment that saw the branch end and gave no reward means it does not apply (NaN)
+            given = [float(r) if r is not None else 0.0 if reason in ("length", "turns") else math.nan
+                     for r, reason in zip(meta["agent"]["rewards"], meta["finish_reasons"], strict=True)]
+            bad = sum(math.isinf(r) for r in given)  # scored 0.0 and counted, as a reward function's would be
+            per_function[name] = [0.0 if math.isinf(r) else r for r in given]
+            failed += bad
+            continue
         per_function[name], bad = compute_rewards(get_reward(name), [prompt_meta] * len(texts), texts)
         failed += bad
     table = _table([per_function], cfg.rewards)

@@ -4,6 +4,12 @@ Trains on (chat-formatted prompt, answer + eos) pairs with the loss on the answe
 reward of greedy answers before and after, and writes an HF-layout checkpoint (config.json + model.safetensors,
 loadable by `load_model`) atomically.
 
+With `agent` (a built-in environment, e.g. record-lookup) it learns whole transcripts instead: the prompt, the
+model's turns of the environment's demonstration (a tool call, then the answer), and between them the tool's
+observation tokens exactly as `ToolTurns` renders them (the real tool is run), which are attended to but carry
+no loss. Its eval decodes multi-turn with the real tool (`rollout_turns` + `ToolTurns`, greedy) and reports the
+call rate and the answer accuracy beside the environment's mean reward.
+
 A tiny byte-level model does not learn content-based retrieval from scratch in a few hundred steps, but it does
 learn to copy an answer whose place is fixed. So a `curriculum` first trains on the shortest prompts (one
 `key: value` pair: the answer always sits at the same offset) and then grows them to `prompt_tokens`, where
@@ -20,6 +26,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm.auto import tqdm
 
+from ..agents import ToolChat, ToolTurns, rollout_turns
+from ..agents.builtin import ENVIRONMENTS, BuiltinEnv
 from ..config import ModelSpec
 from ..data import Example, Tokenizer, check_vocab, load_tokenizer
 from ..engine import capture
@@ -27,6 +35,8 @@ from ..files import atomic_output
 from ..models import write_weights
 from ..problems import get_problem, make_problem
 from ..rollout import Draw, SamplingSettings, rollout
+from .data import prompt_ids
+from .inputs import example_record
 
 
 Stage = tuple[int, float]  # (prompt tokens, fraction of the steps)
@@ -48,6 +58,24 @@ class TaskSettings(BaseModel):
     prompt_tokens: int | None = Field(None, ge=16)
     curriculum: list[Stage] | None = None
     task_options: dict | None = None
+
+
+class AgentSFT(BaseModel):
+    """The multi-turn warm start: learn a built-in environment's demonstrations as transcripts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field("record-lookup", description="a built-in environment (longstraw/agents/builtin.py)")
+    max_turns: int = Field(3, ge=1, description="turns of the eval's multi-turn decode")
+    max_new_tokens: int = Field(160, ge=1, description="the eval's budget: the model's and the observations' tokens")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentSFT":
+        if self.env not in ENVIRONMENTS or ENVIRONMENTS[self.env].demonstration is None:
+            known = sorted(k for k, b in ENVIRONMENTS.items() if b.demonstration is not None)
+            raise ValueError(f"agent.env {self.env!r} is not a built-in environment with a demonstration to learn; "
+                             f"use one of {known}")
+        return self
 
 
 class SFTConfig(BaseModel):
@@ -73,10 +101,15 @@ class SFTConfig(BaseModel):
     seed: int = 0
     threads: int | None = Field(None, ge=1)
     out: str = "runs/sft-tiny"
+    agent: AgentSFT | None = Field(None, description="learn multi-turn transcripts of this built-in environment "
+                                   "(the task's prompt lists its tools) instead of prompt -> answer pairs")
 
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":
         _check_curriculum(self.curriculum, self.prompt_tokens, "")
+        if self.agent is not None and self.task != self.agent.env:  # the built-in env's task lists its tools
+            raise ValueError(f"agent.env {self.agent.env!r} learns the transcripts of task {self.agent.env!r}, but "
+                             f"task is {self.task!r}; set task: {self.agent.env}")
         for name, ts in self.per_task.items():
             get_problem(name)  # unknown names fail here, listing the known tasks
             if ts.curriculum is not None:
@@ -105,20 +138,80 @@ def prompt_length(step: int, steps: int, prompt_tokens: int, curriculum: list[St
 
 def encode(tok: Tokenizer, ex: Example) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids + eos) of one example, the prompt in the tokenizer's chat format."""
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ex.prompt}]))
-    return prompt, tok.encode(ex.answer) + [tok.eos_id]
+    return prompt_ids(tok, ex), tok.encode(ex.answer) + [tok.eos_id]
 
 
-def _batch(pairs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded inputs [B, T] and targets [B, T] with -100 outside the answers."""
+def _batch(pairs: list[tuple[list[int], list[int]]], pad: int,
+           masks: list[list[bool]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded inputs [B, T] and targets [B, T] with -100 outside the answers; with `masks` (one per answer,
+    True on the model's tokens) also -100 on the answer's tokens the model did not write (observations)."""
     seqs = [p + a for p, a in pairs]
     width = max(len(s) for s in seqs) - 1
     inputs = torch.full((len(seqs), width), pad, dtype=torch.long)
     targets = torch.full_like(inputs, -100)
     for i, ((p, a), s) in enumerate(zip(pairs, seqs)):
         inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
-        targets[i, len(p) - 1 : len(s) - 1] = torch.tensor(a)
+        answer = torch.tensor(a)
+        if masks is not None:
+            answer = answer.masked_fill(~torch.tensor(masks[i], dtype=torch.bool), -100)
+        targets[i, len(p) - 1 : len(s) - 1] = answer
     return inputs, targets
+
+
+def sft_loss(model, inputs: torch.Tensor, targets: torch.Tensor, first: int) -> torch.Tensor:
+    """Mean cross-entropy of the target tokens (-100: none); the LM head only from position `first` on (prompts
+    are most of the sequence), in chunks (no [B, T, vocab] logits at once)."""
+    answer = targets[:, first:]
+    scored = answer != -100
+    logp = model.token_logprobs(inputs, answer.clamp(min=0), logits_from=first)
+    return -torch.where(scored, logp, 0.0).sum() / scored.sum()
+
+
+# ---- multi-turn transcripts (agent) ----------------------------------------------------------------------------
+
+def transcript(tok: Tokenizer, chat: ToolChat, env: BuiltinEnv, ex: Example) -> tuple[list[int], list[int], list[bool]]:
+    """(prompt ids, the branch's ids, mask True on the model's) of the demonstration of `ex`: each model turn's
+    text + eos, followed by what `ToolTurns` answers it with (the real tools run), until the environment is done.
+    A demonstration that is not done by its last turn, or does not earn reward 1.0, is an error (a broken
+    built-in)."""
+    turns = ToolTurns(env.make(example_record(ex)), chat)
+    ids: list[int] = []
+    mask: list[bool] = []
+    demo = env.demonstration(example_record(ex))
+    for k, text in enumerate(demo):
+        said = tok.encode(text) + [tok.eos_id]
+        reply = turns.step(said)
+        ids += said + reply.tokens
+        mask += [True] * len(said) + [False] * len(reply.tokens)
+        if reply.done != (k == len(demo) - 1):
+            raise RuntimeError(f"demonstration of {ex.meta.get('task')!r} seed {ex.meta.get('seed')}: the "
+                               f"environment said done={reply.done} after turn {k + 1} of {len(demo)}")
+    if turns.reward != 1.0 or turns.tool_errors:
+        raise RuntimeError(f"demonstration of {ex.meta.get('task')!r} seed {ex.meta.get('seed')} earned reward "
+                           f"{turns.reward} with {turns.tool_errors} tool errors; it must solve the example")
+    return prompt_ids(tok, ex), ids, mask
+
+
+@torch.no_grad()
+def agent_eval(model, tok: Tokenizer, chat: ToolChat, env: BuiltinEnv, examples: list[Example], max_turns: int,
+               max_new_tokens: int) -> dict:
+    """Greedy multi-turn decode with the real tools, one branch per example: the share of branches that called a
+    tool (`call_rate`), called one without an error on every call (`clean_call_rate`), answered exactly
+    (`accuracy`: reward 1.0), and the mean reward (none given: 0)."""
+    settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0, stop_ids=(tok.eos_id,))
+    called = clean = exact = 0
+    total = 0.0
+    for ex in examples:
+        turns = ToolTurns(env.make(example_record(ex)), chat)
+        state = capture(model, torch.tensor(prompt_ids(tok, ex)))
+        rollout_turns(model, state, settings, Draw(n=1), [turns], max_turns=max_turns)
+        called += turns.tool_calls > 0
+        clean += turns.tool_calls > 0 and turns.tool_errors == 0
+        reward = turns.reward or 0.0
+        exact += reward == 1.0
+        total += reward
+    n = len(examples)
+    return {"reward": total / n, "accuracy": exact / n, "call_rate": called / n, "clean_call_rate": clean / n}
 
 
 @torch.no_grad()
@@ -152,7 +245,23 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     check_vocab([tok.vocab_size - 1], model.config.vocab_size, "tokenizer vocab")
     prompt_tokens, curriculum, options = cfg.settings()
     evals = [make_problem(cfg.task, 10_000_000 + i, prompt_tokens, tok, **options) for i in range(cfg.eval_examples)]
-    before = task_reward(model, tok, cfg.task, evals)
+    if cfg.agent is not None:
+        env = ENVIRONMENTS[cfg.agent.env]
+        chat = ToolChat(tok, env.tools)
+
+        def evaluate() -> dict:
+            return agent_eval(model, tok, chat, env, evals, cfg.agent.max_turns, cfg.agent.max_new_tokens)
+
+        def rows(examples: list[Example]) -> tuple[list[tuple[list[int], list[int]]], list[list[bool]]]:
+            done = [transcript(tok, chat, env, ex) for ex in examples]
+            return [(p, r) for p, r, _ in done], [m for _, _, m in done]
+    else:
+        def evaluate() -> dict:
+            return {"reward": task_reward(model, tok, cfg.task, evals)}
+
+        def rows(examples: list[Example]) -> tuple[list[tuple[list[int], list[int]]], None]:
+            return [encode(tok, ex) for ex in examples], None
+    before = evaluate()
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     decay = (lambda s: max(0.0, 1 - s / cfg.steps)) if cfg.lr_schedule == "linear" else (lambda s: 1.0)
@@ -161,16 +270,11 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
     model.train()
     for step in tqdm(range(cfg.steps), desc=f"sft {cfg.task}", disable=not progress):
         length = prompt_length(step, cfg.steps, prompt_tokens, curriculum)
-        pairs = [encode(tok, make_problem(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, length, tok, **options))
-                 for i in range(cfg.batch)]
-        inputs, targets = _batch(pairs, tok.pad_id)
-        # the LM head only where some row has an answer token (prompts are most of the sequence)
-        first = min(len(p) for p, _ in pairs) - 1
-        # cross-entropy of the answer tokens (-100: none), the LM head in chunks (no [B, T, vocab] logits at once)
-        answer = targets[:, first:]
-        scored = answer != -100
-        logp = model.token_logprobs(inputs, answer.clamp(min=0), logits_from=first)
-        loss = -torch.where(scored, logp, 0.0).sum() / scored.sum()
+        pairs, masks = rows([make_problem(cfg.task, cfg.seed * 1_000_003 + step * cfg.batch + i, length, tok,
+                                          **options) for i in range(cfg.batch)])
+        inputs, targets = _batch(pairs, tok.pad_id, masks)
+        # the LM head only where some row has an answer token
+        loss = sft_loss(model, inputs, targets, first=min(len(p) for p, _ in pairs) - 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -178,8 +282,10 @@ def run_sft(cfg: SFTConfig, progress: bool = True) -> dict:
         sched.step()
         losses.append(loss.item())
     model.eval()
-    after = task_reward(model, tok, cfg.task, evals)
+    after = evaluate()
     path = save_model(model, cfg.out)
     tail = losses[-20:]
-    return {"task": cfg.task, "prompt_tokens": prompt_tokens, "task_options": options, "reward_before": before, "reward_after": after, "final_loss": sum(tail) / len(tail),
-            "steps": cfg.steps, "seconds": time.perf_counter() - t0, "checkpoint": str(path)}
+    evals_out = {f"{k}_{when}": v for when, d in (("before", before), ("after", after)) for k, v in d.items()}
+    return {"task": cfg.task, "prompt_tokens": prompt_tokens, "task_options": options, **evals_out,
+            "final_loss": sum(tail) / len(tail), "steps": cfg.steps, "seconds": time.perf_counter() - t0,
+            "checkpoint": str(path)}

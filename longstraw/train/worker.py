@@ -59,13 +59,14 @@ from ..store import manifest_digest, save_rollout
 from .artifacts import load_tensors, save_tensors
 from .checkpoint import latest_checkpoint, load_checkpoint, read_trainer, save_checkpoint
 from .config import TrainConfig
-from .data import example_seed
+from .data import example_seed, step_example
 from .device import run_device
 from .optim import build_optimizer, optimizer_step
 from .resident import LastUsed
-from .answers import Answers, as_rank0_stored, gather_samples, replayed_routing, sampled_answers
+from .agent import AgentRollout, agent_metrics, rollout_meta
+from .answers import Answers, as_rank0_stored, gather_samples, gather_slices, replayed_routing, sampled_answers
 from .spmd import ONE_PROCESS, Ranks, agree
-from .inputs import example_record, make_prompt, read_rollout
+from .inputs import env_example, example_record, make_prompt, read_rollout
 
 
 def next_version(version: str, update: int) -> str:
@@ -94,6 +95,7 @@ class Worker:
         self.model_loads = 0  # per worker start: 1 (2 with a KL reference model)
         # what the rollout op draws the answers with
         self.sampler: Sampler = build_sampler(cfg.rollout.backend, cfg.rollout.options)
+        self._agent: AgentRollout | None = None  # with `agent`: its environments and tools, resolved at first use
         self._reference: nn.Module | None = None
         # the last prefix state used, by (url, digest)
         self._state: LastUsed[tuple[str, str], PrefixState] = LastUsed()
@@ -280,18 +282,32 @@ class Worker:
     def rollout(self, weights_version: str, state: dict, step: int, group: int) -> dict:
         """Sample G answers from the prefix state (shared by all branches) and store them (rank 0). Each
         data-parallel group samples its slice of the G (the slice it replays) and rank 0 gathers them: the same
-        answers as one group sampling all G, in 1/dp of the decode steps' batch."""
+        answers as one group sampling all G, in 1/dp of the decode steps' batch.
+
+        With `agent`: multi-turn branches (`rollout_turns`), each talking with its own environment; the turns,
+        the environments' rewards and counters are stored with the rollout (meta "agent"), and the masks with
+        the tokens, so that a resume never calls the tools again."""
         cfg = self.cfg
         self._check_version(weights_version)
         tok = load_tokenizer(cfg.tokenizer)
         prefix = self._load(state)
         mine = self.parallel.branches(cfg.responses)
+        draw = Draw(n=len(mine), seed=example_seed(cfg.seed, step, group), first_branch=mine.start)
+        agent = None if cfg.agent is None else self._agent_rollout(tok)  # (imports the user's module first)
+        settings = self._sampling(tok.eos_id)
+        records, env_seconds = None, 0.0
         with self._meter() as m:
-            samples = self.sampler.sample(self.model, prefix, self._sampling(tok.eos_id),
-                                          Draw(n=len(mine), seed=example_seed(cfg.seed, step, group),
-                                               first_branch=mine.start), parallel=self.parallel)
+            if agent is None:
+                samples = self.sampler.sample(self.model, prefix, settings, draw, parallel=self.parallel)
+            else:
+                # made on rank 0 of each sequence-parallel group, the only rank that calls them
+                envs = self._agree(lambda: agent.environments(env_example(step_example(cfg, tok, step, group)),
+                                                              draw.n) if self.parallel.rank == 0 else None)
+                samples, records, env_seconds = agent.sample(self.model, prefix, settings, draw, envs, self.parallel)
             if len(mine) < cfg.responses:
                 samples = gather_samples(self.ranks, samples)
+                if records is not None:
+                    records = gather_slices(self.ranks, records)
         lengths = [s.tokens.numel() for s in samples]
         out = {"responses": len(samples), "response_len_mean": sum(lengths) / len(lengths),
                "peak_bytes": m.peak_bytes, "seconds": m.seconds, "tokens_per_s": sum(lengths) / max(m.seconds, 1e-9)}
@@ -300,16 +316,27 @@ class Worker:
             example = read_sharded_manifest(state["url"], cfg.store.storage_options)["extra"].get("example")
             meta = {"finish_reasons": [s.finish_reason for s in samples],
                     "texts": [tok.decode(s.tokens.tolist()) for s in samples], "example": example}
+            if records is not None:
+                meta["agent"] = rollout_meta(samples, records, settings.stop_ids, tok)
+                # the decode's wait on the environments (wall time, rank 0's group) apart from the tools' own
+                out |= agent_metrics(meta["agent"]) | {"env_seconds": env_seconds}
             url = f"{cfg.paths().store_url}/rollouts/step-{step:06d}/group-{group:03d}"
             manifest = save_rollout(url, [s.tokens for s in samples], [s.logprobs for s in samples], meta,
                                     sampler_logprobs=[s.sampler_logprobs for s in samples],
                                     routing=[s.routing for s in samples] if cfg.moe_routing_replay else None,
+                                    masks=[s.mask for s in samples] if records is not None else None,
                                     storage_options=cfg.store.storage_options)
             stored = Artefact(url, manifest_digest(manifest))
             out |= stored.to_json()
         # resident for the group's reference and replay ops, as the store keeps them
         self._rollout.keep(*sampled_answers(self.ranks, stored, samples, cfg.moe_routing_replay))
         return out
+
+    def _agent_rollout(self, tok) -> AgentRollout:
+        """The run's environments and tools, resolved once (a bad name is an error on every rank)."""
+        if self._agent is None:
+            self._agent = self._agree(lambda: AgentRollout(self.cfg.agent, tok))
+        return self._agent
 
     def _sampling(self, eos_id: int) -> SamplingSettings:
         """The run's sampling settings (an answer ends at the tokenizer's end of sequence)."""
@@ -379,7 +406,7 @@ class Worker:
             responses, advantages, cfg.grpo, vocab_size=self.model.config.vocab_size,
             old_logprobs=answers.logprobs if cfg.epochs > 1 else None,  # several epochs: ratios against the sampler
             ref_logprobs=ref_logps, sampler_logprobs=answers.sampler_logprobs,
-            truncated=[reason == "length" for reason in answers.finish_reasons])
+            truncated=[reason == "length" for reason in answers.finish_reasons], masks=answers.masks)
         if cfg.moe_routing_replay:  # the answers' tokens go to the experts the rollout sent them to
             group_branches = replace(group_branches, routing=replayed_routing(self.model, answers, rollout, state, prefix))
         with self._meter() as m:

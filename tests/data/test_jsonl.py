@@ -132,3 +132,14 @@ def test_index_is_built_once_and_reads_by_seek(tmp_path, monkeypatch):
         JsonlIndex(path)
     write(path, [rows[4], rows[0]])
     assert JsonlIndex(path)[0].prompt == "q4 é" and builds == [1, 1]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_a_line_cut_short_is_reported_where_it_ends(tmp_path, newline):
+    # the column json reports must be the line's own, not "column 1" of the newline after it
+    full = json.dumps({"prompt": "p" * 150, "answer": "42"})
+    cut = full[:full.index('"answer"')]  # ends after '", ': the next key never comes
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes((full + newline + cut + newline).encode())
+    with pytest.raises(ValueError, match=rf"line 2: bad JSON \(.* at column {len(cut) + 1}\)"):
+        list(iter_jsonl(path))

@@ -9,7 +9,9 @@ import pytest
 from longstraw.problems import PROBLEMS, Example, get_problem, make_problem
 from longstraw.data.tokenizer import ByteTokenizer, HFTokenizer
 
-NAMES = sorted(PROBLEMS)
+# record-lookup, the agent task, has its own tests (tests/agents/test_record_lookup.py): its answer is not in the
+# prompt and its prompt holds the tool's schema, so 512 tokens are too few
+NAMES = sorted(n for n in PROBLEMS if n != "record-lookup")
 LENGTHS = [512, 1000, 4096, 16384]
 
 

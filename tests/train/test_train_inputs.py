@@ -3,6 +3,7 @@ the ops share (the optimizer step, the lr schedule, the config's checks)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -69,6 +70,19 @@ def test_preflight_fails_before_any_work(tmp_path, kw, match):
         inputs.preflight(cfg)
     assert not (tmp_path / "run").exists()
     inputs.preflight(make_cfg(tmp_path))  # the base config passes
+
+def test_a_long_prompt_gets_the_advice_that_shortens_it(tmp_path):
+    # prompt_tokens sizes a generated task; it cannot shorten a dataset's prompts
+    with pytest.raises(ValueError, match=r"\(prompt_tokens 1020 and the chat template\).*; or lower prompt_tokens$"):
+        inputs.preflight(make_cfg(tmp_path, prompt_tokens=1020))
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "x " * 600, "answer": "1"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        inputs.preflight(make_cfg(tmp_path, task=None, dataset=str(data), reward="exact_match"))
+    msg = str(e.value)
+    assert f"the first example of {data}" in msg and msg.endswith("; or shorten the dataset's prompts")
+    assert "prompt_tokens" not in msg
+
 
 def test_lr_schedule():
     from longstraw.train.config import OptimConfig
