@@ -80,8 +80,8 @@ browser:
 	  fi; }
 
 test: $(STAMP) $(OLDEST_STAMP) $(FLA_INTERP)/.installed browser
-	$(PY) -m pytest -q
-	$(OLDEST_PY) -m pytest -q tests/parallel tests/ops tests/engine
+	$(PY) -m pytest -q --durations=25
+	$(OLDEST_PY) -m pytest -q --durations=15 tests/parallel tests/ops tests/engine
 
 bench: $(STAMP)
 	$(PY) bench/grpo_step.py

@@ -53,14 +53,20 @@ def _train_here_or_launch(cfg: TrainConfig, progress: bool) -> int:
         from .ranks import run_rank
 
         run_rank(cfg, progress)  # never returns
+    from longstraw.train.preflight import check_before_start
+
+    # before the Prefect server, the run lock, the run dir and torchrun: a bad input is one line, not a traceback
+    check_before_start(cfg)
     _where(cfg)
     if cfg.pipeline.nproc > 1:
-        from .launch import launch_failed, launch_ranks
+        from .launch import launch_failure, launch_ranks
 
         code = launch_ranks(cfg, progress)
-        if code:
-            print(f"longstraw: {launch_failed(cfg, code)}", file=sys.stderr)
-        return code if code >= 0 else 1  # torchrun killed by a signal: -N
+        if not code:
+            return 0
+        failure = launch_failure(cfg, code)  # the cause a rank recorded: 2 for a user's error, else 1
+        print(f"longstraw: {failure.line}", file=sys.stderr)
+        return failure.code
     from .train import grpo_train
 
     from .report import report

@@ -29,7 +29,7 @@ from longstraw.train.inputs import needs_batch_advantages, preflight
 from longstraw.train.worker import Worker
 from longstraw.version import code_digest
 from tasks import stages, tracking
-from tasks.run import Run
+from tasks.run import Run, rooted
 from tasks.stages import configured
 
 from .launch import launch_failed, launch_ranks
@@ -41,11 +41,12 @@ def _run_stage(stage: Task, args: dict, *, run: Run, parent: str | None) -> dict
     """Run one stage task and wait for it. A cached result whose artefact is gone (a deleted state, rollout or
     file) runs again."""
     t = configured(stage, run.config)
-    out = t(run, **args, parent_run_id=parent)
+    # results name the run directory's files relative to it (tasks.run.portable): here, under where it is now
+    out = rooted(t(run, **args, parent_run_id=parent), run.config.run_dir)
     if gone := missing_artefacts(out):
         get_run_logger().warning("%s: the cached result names artefacts that are gone (%s); computing it again",
                                  stage.name, gone[0])
-        out = t.with_options(refresh_cache=True)(run, **args, parent_run_id=parent)
+        out = rooted(t.with_options(refresh_cache=True)(run, **args, parent_run_id=parent), run.config.run_dir)
     return out
 
 
@@ -286,7 +287,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict:
 def _steps(run: Run, progress: bool, logger) -> dict:
     cfg = run.config
     run_dir = Path(cfg.run_dir)
-    init = configured(stages.start, cfg)(run)
+    init = rooted(configured(stages.start, cfg)(run), cfg.run_dir)
     start, weights_version = init["update"] // cfg.epochs, init["weights_version"]
     checkpoint = init["checkpoint"]
     parent = tracking.start_parent(cfg, f"grpo-train {flow_run.get_name() or ''}".strip(), {

@@ -6,11 +6,11 @@ they do not use."""
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import sys
 
+from .errors import EXIT_USER, is_user_error, user_line
 from .files import write_bytes
 
 
@@ -221,8 +221,8 @@ def _world_size() -> int:
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         user_errors: tuple[type[Exception], ...] = ()) -> int:
-    """Run the command `argv` names; errors of the user's input (ValueError, FileNotFoundError and the caller's
-    `user_errors`, e.g. the pipeline's locked run directory) print one line and return 2."""
+    """Run the command `argv` names; a user's error (`errors.is_user_error`: input, config, a full or read-only
+    disk; and the caller's `user_errors`) prints one line and returns 2."""
     args = parser.parse_args(argv)
     if _world_size() > 1 and args.command not in ("step", "train", "resume"):
         print(f"longstraw {args.command}: error: runs on one process; of the commands `step`, `train` and `resume` "
@@ -230,16 +230,11 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, *user_errors) as e:
-        print(f"longstraw {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except Exception as e:
+        if not (isinstance(e, user_errors) or is_user_error(e)):
             raise
-        print(f"longstraw {args.command}: error: no space left on the device holding {e.filename or 'an output'}; "
-              "what was committed before is intact: free some space, then `longstraw resume <run dir>`",
-              file=sys.stderr)
-        return 2
+        print(f"longstraw {args.command}: error: {user_line(e)}", file=sys.stderr)
+        return EXIT_USER
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,53 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from longstraw.train.config import TrainConfig, without_placement
 from longstraw.train.spmd import Driver
 
+RUN_DIR = "{run_dir}"  # in a portable path, where the run directory is
+
 
 def config_digest(cfg: TrainConfig) -> str:
     """The sha256 of the config without its placement on nodes (a resume may run on other machines and take the
-    stored stages from the cache)."""
-    blob = json.dumps(without_placement(cfg.model_dump(mode="json")), sort_keys=True)
+    stored stages from the cache) and without where the run directory is (a run moved or copied, then resumed,
+    takes its stored stages from the cache too: the README's promise that a resume never recaptures a prompt)."""
+    data = without_placement(cfg.model_dump(mode="json"))
+    data.pop("run_dir")
+    blob = json.dumps(portable(data, cfg.run_dir), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _root(run_dir: str) -> str:
+    return str(Path(run_dir)).rstrip("/") + "/"
+
+
+def portable(x: Any, run_dir: str) -> Any:
+    """`x` (JSON) with every path under `run_dir` written as `{run_dir}/...`: a stage's stored result and its cache
+    key stay valid when the run directory is moved or copied (`longstraw resume <copy>`)."""
+    root = _root(run_dir)
+    if isinstance(x, str):
+        return RUN_DIR + "/" + x[len(root):] if x.startswith(root) and root != "./" else x
+    if isinstance(x, dict):
+        return {k: portable(v, run_dir) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [portable(v, run_dir) for v in x]
+    return x
+
+
+def rooted(x: Any, run_dir: str) -> Any:
+    """`portable`'s inverse: `{run_dir}/...` as a path under this run's directory, wherever it is now."""
+    if isinstance(x, str):
+        return _root(run_dir) + x[len(RUN_DIR) + 1:] if x.startswith(RUN_DIR + "/") else x
+    if isinstance(x, dict):
+        return {k: rooted(v, run_dir) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rooted(v, run_dir) for v in x]
+    return x
 
 
 class Run(BaseModel):

@@ -4,15 +4,19 @@ first and the MLflow parent run last. A model stage (an op of `longstraw.train.w
 of the run through the run's driver: rank 0's task sends the op, all ranks execute it on their resident model.
 The reward is computed here, on rank 0 alone.
 
-Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`),
-the run's config digest (the config holds the run directory and the mesh; the placement on nodes is left out) and
-its other inputs (the weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results (small
-JSON dicts) persist under `<run_dir>/prefect-results`. Stages whose output is stored (capture, rollout, reference,
-reward, advantages) are cached, so a resume never recomputes them; stages whose output lives in the ranks' memory
-(replay, prompt backward: the gradients; the optimizer step) are never cached, since a fresh job holds none of it,
-and run again on resume from the stored state and rollout. After any change to the library the cached stages run
-again too. Retries with exponential backoff cover transient I/O errors in rank-0 stages, and every stage at nproc
-1 (on N ranks a failed op ends the job).
+Caching: a stage's cache key is its name, the digest of the whole `longstraw` package's sources (`code_digest`), the
+run's config digest (the config holds the mesh; the placement on nodes and where the run directory is are left out)
+and its other inputs (the weights' lineage id and the URLs/hashes it reads), not the MLflow parent run. Results
+(small JSON dicts) persist under `<run_dir>/prefect-results`; keys and results name the run directory's files
+relative to it (`tasks.run.portable`), so a run directory moved or copied keeps its cache. Stages whose output is
+stored (capture, rollout, reference, reward, advantages) are cached, so a resume never recomputes them; stages whose
+output lives in the ranks' memory (replay, prompt backward: the gradients; the optimizer step) are never cached,
+since a fresh job holds none of it, and run again on resume from the stored state and rollout. After any change to
+the library the cached stages run again too. Retries with exponential backoff cover transient errors (`transient`:
+timeouts, dropped connections, EIO; never a full or read-only disk or a missing permission, which fail at once as
+the user's error) in the cached stages: rank-0 stages, and at nproc 1 the model stages whose output is stored. The
+uncached stages are never retried: their effect (gradients, an optimizer step) may be in the ranks' memory when they
+fail, and a retry would apply it twice; on N ranks a failed op ends the job.
 """
 
 from __future__ import annotations
@@ -26,24 +30,34 @@ from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from prefect.tasks import exponential_backoff
 
+from longstraw.errors import is_user_error
 from longstraw.memory import measured
 from longstraw.train import inputs
 from longstraw.train.config import TrainConfig
 from longstraw.version import code_digest
 
 from . import tracking
-from .run import Run
+from .run import Run, portable
 
 TRANSIENT = (OSError, TimeoutError, ConnectionError)
 _TAG_KEYS = ("step", "group", "epoch", "update")
 _NOT_INPUTS = ("run", "parent_run_id")  # in a cache key: the run by its digest; the tracking run is no input
 
 
+def transient(e: BaseException) -> bool:
+    """An error a retry may fix: a timeout, a dropped connection, an I/O error (EIO, a flaky network file system);
+    not a full or read-only disk, a missing permission or a missing file, which a retry repeats
+    (`errors.is_user_error`)."""
+    return isinstance(e, TRANSIENT) and not is_user_error(e)
+
+
 def _cache_key(name: str) -> Callable[[object, dict], str]:
     def key(_ctx, params: dict) -> str:
-        given = {k: v for k, v in params.items() if k not in _NOT_INPUTS}
+        run = params["run"]
+        # inputs that name files of the run directory, named relative to it: a moved or copied run keeps its cache
+        given = portable({k: v for k, v in params.items() if k not in _NOT_INPUTS}, run.config.run_dir)
         blob = json.dumps(given, sort_keys=True, default=str)
-        return hashlib.sha256(f"{name}\n{code_digest()}\n{params['run'].digest}\n{blob}".encode()).hexdigest()
+        return hashlib.sha256(f"{name}\n{code_digest()}\n{run.digest}\n{blob}".encode()).hexdigest()
 
     return key
 
@@ -51,10 +65,8 @@ def _cache_key(name: str) -> Callable[[object, dict], str]:
 def _retry_transient(_task, _run, state) -> bool:
     try:
         state.result()
-    except TRANSIENT:
-        return True
-    except BaseException:
-        return False
+    except BaseException as e:  # noqa: BLE001 - only decides on a retry
+        return transient(e)
     return False
 
 
@@ -71,21 +83,22 @@ def _stage(name: str, *, cached: bool, on_ranks: bool) -> Callable[[Callable[...
             persist_result=cached,
             result_serializer="json",
         )(fn)
-        t.on_ranks = on_ranks
+        t.on_ranks, t.cached = on_ranks, cached
         return t
 
     return make
 
 
 def _tracked(run: Run, parent: str | None, name: str, params: dict, execute: Callable[[], dict]) -> dict:
-    """`execute()` within the stage's nested MLflow run, tagged with where in the step it runs."""
+    """`execute()` within the stage's nested MLflow run, tagged with where in the step it runs. The result names
+    the run directory's files relative to it (`portable`; what a cached stage persists): `rooted` gives it back."""
     tags = {k: params[k] for k in _TAG_KEYS if k in params}
     if "branches" in params:
         tags["branch"] = params["branches"][0][0]
     with tracking.stage_run(run.config, parent, name, tags) as record:
         out = execute()
         record(out)
-    return out
+    return portable(out, run.config.run_dir)
 
 
 def _op(run: Run, name: str, parent: str | None, params: dict, leader: dict | None = None) -> dict:
@@ -176,9 +189,12 @@ def optimizer(run: Run, weights_version: str, update: int, step: int, record: di
 
 
 def configured(stage: Task, cfg: TrainConfig) -> Task:
-    """The stage's task with this run's result storage and retry settings (none for ops on several ranks)."""
+    """The stage's task with this run's result storage and retry settings: none for ops on several ranks (a failed
+    rank ends the job), and none for a stage whose effect lives in the ranks' memory (start, replay, prompt,
+    optimizer: the uncached ones), which may have been applied when it failed: a retry would add the gradients
+    twice or step twice; `longstraw resume` reruns those from the last checkpoint."""
     p = cfg.pipeline
-    retries = 0 if stage.on_ranks and p.nproc > 1 else p.retries
+    retries = 0 if (stage.on_ranks and p.nproc > 1) or not stage.cached else p.retries
     return stage.with_options(
         result_storage=Path(cfg.run_dir).resolve() / "prefect-results",
         retries=retries,

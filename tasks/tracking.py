@@ -79,10 +79,14 @@ def start_parent(cfg: TrainConfig, name: str, tags: dict[str, str]) -> str:
     with _LOCK:
         c = client(cfg)
         exp = c.get_experiment_by_name(cfg.tracking.experiment)
+        where = None if cfg.tracking.uri else (Path(cfg.run_dir) / "mlartifacts").resolve().as_uri()
         if exp:
             exp_id = exp.experiment_id
+            # a run directory moved or copied (its artefacts were beside its db, under mlartifacts)
+            if where is not None and exp.artifact_location != where and exp.artifact_location.endswith(
+                    "/mlartifacts"):
+                _rehome_artifacts(cfg, exp_id, exp.artifact_location, where)
         else:  # artefacts beside the run's sqlite db, not in ./mlruns of whatever directory this runs in
-            where = None if cfg.tracking.uri else (Path(cfg.run_dir) / "mlartifacts").resolve().as_uri()
             exp_id = c.create_experiment(cfg.tracking.experiment, artifact_location=where)
         _end_orphans(c, exp_id, tags.get("run_dir"))
         run = c.create_run(exp_id, run_name=name, tags=tags)
@@ -90,6 +94,23 @@ def start_parent(cfg: TrainConfig, name: str, tags: dict[str, str]) -> str:
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             c.log_batch(run.info.run_id, params=params[i : i + 100])
     return run.info.run_id
+
+
+def _rehome_artifacts(cfg: TrainConfig, exp_id: str, old: str, new: str) -> None:
+    """The run directory was moved or copied (its own sqlite db names artefacts under the old place): point the
+    experiment and its runs at the artefacts under the directory as it is now, so that a resumed copy neither
+    writes into the original nor recreates a moved-away directory. MLflow has no API to move an experiment's
+    artefacts, hence SQL on the run's own db."""
+    import sqlite3
+
+    db = sqlite3.connect(Path(cfg.run_dir).resolve() / "mlflow.db")
+    try:
+        with db:
+            db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, int(exp_id)))
+            db.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE experiment_id = ? AND "
+                       "substr(artifact_uri, 1, ?) = ?", (new, len(old) + 1, int(exp_id), len(old), old))
+    finally:
+        db.close()
 
 
 def end_run(cfg: TrainConfig, run_id: str, status: str = "FINISHED") -> None:

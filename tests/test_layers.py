@@ -15,8 +15,9 @@ PACKAGES = ("longstraw", "tasks", "flows")
 # tasks / flows; a floor's units import nothing of each other
 FLOORS: list[tuple[tuple[str, ...], str]] = [
     (("longstraw.files", "longstraw.version", "longstraw.memory", "longstraw.lora",
-      "longstraw.named"),
-     "leaves: file I/O, the version, device memory queries, PEFT adapters, user code named in a config"),
+      "longstraw.named", "longstraw.errors"),
+     "leaves: file I/O, the version, device memory queries, PEFT adapters, user code named in a config, the kinds "
+     "of failure"),
     (("longstraw.data",), "tokenised examples read from files; no model"),
     (("longstraw.problems",), "the built-in tasks, made of data"),
     (("longstraw.grpo",), "GRPO's loss, advantages and rewards: tensors and problems, no model"),

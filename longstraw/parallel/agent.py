@@ -1,4 +1,4 @@
-"""torchrun's agent (`torch.distributed.run`, its own arguments and behaviour) with three changes for a launcher
+"""torchrun's agent (`torch.distributed.run`, its own arguments and behaviour) with four changes for a launcher
 that waits on it (`launch.torchrun` starts this module instead of `torch.distributed.run`):
 - its failure report is one line. The failed rank has printed its error already; torchrun would then print the
   traceback of its own `ChildFailedError` and a box of the failures, which say nothing more to a user;
@@ -8,11 +8,16 @@ that waits on it (`launch.torchrun` starts this module instead of `torch.distrib
 - it ends after a rank of its node failed, even when the rendezvous host went silent. torchrun's agent talks to
   that machine's store after its ranks end, and a silent one (powered off, partitioned) leaves it blocked for
   good: the store client has no read timeout. A failing rank says so (`launch.rank_failed`); the agent then
-  leaves on its own `STUCK_AFTER_S` later, if torch's shutdown has not ended it by then.
+  leaves on its own `STUCK_AFTER_S` later, if torch's shutdown has not ended it by then;
+- nothing its ranks started outlives the job. A rank killed with SIGKILL runs no exit handler: its children (the
+  temporary Prefect server of rank 0's flow, any other server or helper) would be re-parented to PID 1 and run on.
+  The agent is their subreaper (Linux's PR_SET_CHILD_SUBREAPER): they are re-parented to it instead, and it
+  stops whatever is left of them when its ranks have ended (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -32,7 +37,50 @@ from .launch import AGENT_DIR, LAUNCHER_PID
 # torch's own shutdown after a failure takes a second or two with a store that answers, and stops the node's
 # ranks within its 30 s shutdown timeout (SIGTERM, then SIGKILL)
 STUCK_AFTER_S = 40.0
-PR_SET_PDEATHSIG = 1
+ORPHANS_STOP_S = 5.0  # how long the ranks' orphans get to end on SIGTERM (Prefect's server stops in < 1 s)
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _children() -> list[int]:
+    """This process's children, from /proc (after its ranks ended: the ranks' orphans, re-parented here)."""
+    me, out = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                    out.append(int(entry.name))
+    return out
+
+
+def _reap(pids: list[int]) -> list[int]:
+    """Reap those of `pids` that ended; the ones still running."""
+    running = []
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if not done:
+            running.append(pid)
+    return running
+
+
+def _stop_orphans() -> None:
+    """Stop what the ranks left running (their own children re-parented here), and reap it. Grandchildren that a
+    stopped orphan leaves are re-parented here too, and found by the next round."""
+    if not sys.platform.startswith("linux"):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _children()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + ORPHANS_STOP_S
+        while (pids := _reap(_children())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pids:
+            return
 
 
 def _end_with_launcher() -> None:
@@ -52,11 +100,14 @@ def _watch(d: Path) -> None:
     print(f"torchrun: a rank of this node failed {STUCK_AFTER_S:g} s ago and the agent has not ended: the "
           "rendezvous host does not answer; leaving", file=sys.stderr, flush=True)
     shutil.rmtree(d, ignore_errors=True)
+    _stop_orphans()
     os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     _end_with_launcher()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     d = Path(tempfile.mkdtemp(prefix="longstraw-agent-"))
     os.environ[AGENT_DIR] = str(d)  # the ranks inherit the agent's environment
     threading.Thread(target=_watch, args=(d,), name="longstraw-agent-watch", daemon=True).start()
@@ -72,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+        _stop_orphans()  # torch has stopped and reaped the ranks by now: what is left are their orphans
     return 0
 
 

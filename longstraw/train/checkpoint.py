@@ -102,13 +102,20 @@ def _broadcast(value):
 
 
 def _record(err: BaseException | None) -> dict | None:
-    return None if err is None else {"type": type(err).__name__, "message": str(err)}
+    if err is None:
+        return None
+    if isinstance(err, OSError) and err.errno is not None:  # its errno: a full disk on any rank stays one
+        return {"type": "OSError", "message": str(err), "errno": err.errno, "strerror": err.strerror,
+                "filename": err.filename}
+    return {"type": type(err).__name__, "message": str(err)}
 
 
 _TYPES = {t.__name__: t for t in (ValueError, FileNotFoundError, OSError, KeyError, RuntimeError)}
 
 
 def _rebuild(record: dict, suffix: str = "") -> Exception:
+    if record.get("errno") is not None:  # OSError(errno, ...) is the errno's subclass (PermissionError, ...)
+        return OSError(record["errno"], f"{record['strerror']}{suffix}", record["filename"])
     return _TYPES.get(record["type"], RuntimeError)(record["message"] + suffix)
 
 

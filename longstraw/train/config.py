@@ -253,6 +253,10 @@ class TrainConfig(_Strict):
         None, description="reward name or module:function, or a list of them (several reward functions, weighted by "
         "grpo.reward_weights, combined by grpo.multi_objective_aggregation); default: the task's verifier, or `env` "
         "(the rewards its environments gave) with `agent`")
+    reward_nan_max_share: float = Field(
+        0.5, ge=0, le=1, description="the most a reward function may return NaN for, as a share of a group's "
+        "answers: above it the run stops with an error naming the function (a broken reward would train on noise); "
+        "at or below it each NaN scores 0.0, counts in reward_failures and is summed up in one warning per group")
     mode: Literal["naive", "detached", "exact"] = "exact"
     epochs: int = Field(1, ge=1, description="optimizer updates per rollout (>1: off-policy, clipping active)")
     moe_routing_replay: bool = Field(

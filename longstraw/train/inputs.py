@@ -15,14 +15,17 @@ then each group's replays and prompt backward (its state read back from the stor
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..agents import ToolChat
 from ..agents.builtin import resolve_environment
+from ..errors import UserError
 from ..data import Example, check_vocab, load_tokenizer
 from ..grpo.advantages import advantages, needs_batch, weighted_rewards
 from ..grpo.rewards import compute_rewards, get_reward
@@ -34,6 +37,8 @@ from ..store import StoredRollout, load_rollout
 from .artifacts import load_json, save_json
 from .config import ENV_REWARD, TrainConfig
 from .data import prompt_ids, step_example
+
+log = logging.getLogger(__name__)
 
 
 def make_prompt(cfg: TrainConfig, step: int, group: int, vocab: int) -> tuple[torch.Tensor, Example]:
@@ -130,8 +135,10 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
             per_function[name] = [0.0 if math.isinf(r) else r for r in given]
             failed += bad
             continue
-        per_function[name], bad = compute_rewards(get_reward(name), [prompt_meta] * len(texts), texts)
-        failed += bad
+        fn, nans = _nan_counted(get_reward(name))
+        per_function[name], bad = compute_rewards(fn, [prompt_meta] * len(texts), texts)
+        failed += bad + nans[0]
+        _check_nans(cfg, name, nans[0], len(texts), step, group)
     table = _table([per_function], cfg.rewards)
     weighted = weighted_rewards(table, _weights(cfg))
     record = {"rewards": _json_floats(weighted),
@@ -154,6 +161,40 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
         if present := [v for v in values if not math.isnan(v)]:
             out[reward_metric(name)] = sum(present) / len(present)
     return out | {"seconds": time.perf_counter() - t0}
+
+
+def _nan_counted(fn: Callable[[dict, str], object]) -> tuple[Callable[[dict, str], object], list[int]]:
+    """`fn` returning 0.0 where it returned NaN, and a counter of those NaNs: `_check_nans` sums them up once per
+    group, where `compute_rewards` would log one warning per answer."""
+    nans = [0]
+
+    def counted(meta: dict, text: str) -> object:
+        value = fn(meta, text)
+        try:
+            nan = not isinstance(value, (str, bytes)) and value is not None and math.isnan(float(value))
+        except (TypeError, ValueError, RuntimeError):  # not a number: compute_rewards reports it
+            nan = False
+        if nan:
+            nans[0] += 1
+            return 0.0  # as compute_rewards scores a non-finite reward; the caller counts it as a failure
+        return value
+
+    counted.__name__ = getattr(fn, "__name__", repr(fn))
+    return counted, nans
+
+
+def _check_nans(cfg: TrainConfig, name: str, nans: int, n: int, step: int, group: int) -> None:
+    """Stop the run when more than `reward_nan_max_share` of the group's answers scored NaN; else one warning."""
+    if not nans:
+        return
+    share = nans / max(n, 1)
+    if share > cfg.reward_nan_max_share:
+        raise UserError(
+            f"reward {name} returned NaN for {nans} of {n} answers ({share:.0%}) in step {step} group {group}, more "
+            f"than reward_nan_max_share {cfg.reward_nan_max_share:g}: fix the reward function (return None for an "
+            "answer it does not apply to), or raise reward_nan_max_share in the config")
+    log.warning("reward %s: %d of %d samples NaN in step %d group %d, each scored 0.0 and counted in "
+                "reward_failures", name, nans, n, step, group)
 
 
 def advantage_stage(cfg: TrainConfig, rewards: list[dict], step: int, group: int) -> dict:

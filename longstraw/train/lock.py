@@ -20,8 +20,10 @@ import socket
 import time
 from pathlib import Path
 
+from ..errors import UserError
 
-class RunDirLocked(RuntimeError):
+
+class RunDirLocked(UserError, RuntimeError):
     """Another process holds the run directory."""
 
 

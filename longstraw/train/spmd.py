@@ -19,6 +19,10 @@ corrupted state and run the step again). Any other error on a rank ends the job:
 under `<run_dir>/ranks/`, and tears down its process groups, so the others fail at once instead of waiting for the
 collective timeout; rank 0 raises `RankFailed` naming the rank and its error, ends its flow run and exits non-zero.
 A rank that records nothing (its node was lost: killed, or down) is named by rank 0 as lost, with its node and host.
+Each record has the error's kind (longstraw/errors.py): "user" (bad input, a corrupted checkpoint, a full disk, a
+lock: a resume fails the same way, so no rank advises one), "fault" (a resume fixes it), "peer" (this rank only
+saw another one leave) or "lost" (rank 0 names ranks that recorded nothing); the launcher's last line names the
+earliest record that is not a peer's (`job_failure`).
 Workers then exit 0 so that torchrun leaves rank 0 time to finish its bookkeeping; the job's exit status is rank
 0's (a worker on another node than rank 0 exits 1, so that the scheduler sees that node's part fail too).
 `longstraw resume` starts a fresh job from the stored state, on any number of nodes.
@@ -29,6 +33,7 @@ rank sees the run directory it writes (the checkpoint commit and the state shard
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -45,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..errors import is_user_error, user_line
 from ..files import CorruptArtefact
 from ..memory import measured
 from ..parallel import ONE_RANK, SequenceGroup, SequenceParallel
@@ -59,7 +65,11 @@ CLOCK_SKEW_S = 30.0  # records are stamped by each machine's clock; the run's st
 
 
 class RankFailed(RuntimeError):
-    """A rank of the SPMD job failed; the job is over (resume continues it)."""
+    """A rank of the SPMD job failed; the job is over. `user`: the cause is a user's error (no resume fixes it)."""
+
+    def __init__(self, message: str, user: bool = False) -> None:
+        super().__init__(message)
+        self.user = user
 
 
 class LeaderLost(RankFailed):
@@ -241,13 +251,60 @@ def _in_op(op: str, params: dict) -> str:
     return f"{op}{f' ({where})' if where else ''}"
 
 
+def error_kind(error: BaseException) -> str:
+    """'user', 'peer' or 'fault' (the module's docstring)."""
+    if is_user_error(error) or getattr(error, "user", False):
+        return "user"
+    return "peer" if isinstance(error, LeaderLost) or _peer_gone(str(error)) else "fault"
+
+
 def _record_failure(cfg: TrainConfig, ranks: Ranks, op: str, params: dict, error: BaseException) -> None:
     line = f"rank {ranks.rank} of {ranks.world} failed in {_in_op(op, params)}: {type(error).__name__}: {error}"
     print(f"longstraw: {line}", file=sys.stderr, flush=True)
+    _write_record(cfg, ranks.rank, op, line, error)
+
+
+def _write_record(cfg: TrainConfig, rank: int, op: str, line: str, error: BaseException, kind: str | None = None
+                  ) -> None:
     d = _errors_dir(cfg)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"error-rank{ranks.rank:03d}.json").write_text(json.dumps(
-        {"rank": ranks.rank, "op": op, "message": line, "traceback": traceback.format_exc(), "time": time.time()}))
+    (d / f"error-rank{rank:03d}.json").write_text(json.dumps(
+        {"rank": rank, "op": op, "message": line, "kind": kind or error_kind(error), "error": user_line(error),
+         "traceback": traceback.format_exc(), "time": time.time()}))
+
+
+def record_error(cfg: TrainConfig, error: BaseException) -> None:
+    """Record this rank's error that ended it outside an op (the flow's own code, the start), so that the other
+    ranks and the launcher name it rather than the rank's leaving; best effort (the disk may be what failed)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        _write_record(cfg, rank, "", f"rank {rank} of {world} failed: {type(error).__name__}: {error}", error)
+    except OSError:
+        pass
+
+
+def _records(cfg: TrainConfig, since: float) -> dict[int, dict]:
+    """The error records written since `since` (each machine's clock), by rank; a record lacking its kind (an
+    older library's) is a fault unless its message says a peer left."""
+    d = _errors_dir(cfg)
+    out = {}
+    for f in sorted(d.glob("error-rank*.json")) if d.is_dir() else ():
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):  # being written
+            continue
+        if r["time"] >= since:
+            r.setdefault("kind", "peer" if _peer_gone(r["message"]) else "fault")
+            out[r["rank"]] = r
+    return out
+
+
+def job_failure(cfg: TrainConfig, since: float) -> dict | None:
+    """The record of the error that ended the job launched at `since`: the earliest that is not only a peer's
+    leaving; None when every rank that recorded saw only a peer leave (a rank was killed or lost)."""
+    skew = CLOCK_SKEW_S if cfg.pipeline.nnodes > 1 else 1.0
+    causes = [r for r in _records(cfg, since - skew).values() if r["kind"] != "peer"]
+    return min(causes, key=lambda r: r["time"]) if causes else None
 
 
 def execute(worker, op: str, params: dict):
@@ -264,7 +321,7 @@ def execute(worker, op: str, params: dict):
     except BaseException as e:
         _record_failure(worker.cfg, ranks, op, params, e)
         shutdown()  # peers blocked on this rank fail now, not after the collective timeout
-        raise RankFailed(str(e)) from e
+        raise RankFailed(str(e), user=error_kind(e) == "user") from e
     return merge(results) if ranks.leader else None
 
 
@@ -334,6 +391,7 @@ class Driver:
         # one op at a time (every rank must see the same sequence), and no heartbeat in between
         self._lock = worker.ranks.control_lock
         self._failed: RankFailed | None = None
+        self._user = False  # what `_who_failed` found was a user's error
 
     def call(self, op: str, /, leader: dict | None = None, **params) -> dict:
         """Run `op(**params)` on every rank; `leader`: further arguments of rank 0's op alone (never sent, e.g. what
@@ -341,7 +399,7 @@ class Driver:
         _op(self.worker, op)  # an unknown op fails here, before any rank is sent it
         with self._lock:
             if self._failed is not None:
-                raise RankFailed(f"the job stopped earlier ({self._failed}); `longstraw resume` continues the run")
+                raise RankFailed(f"the job stopped earlier ({self._failed})", user=self._failed.user)
             ranks = self.worker.ranks
             started = time.time()
             try:
@@ -353,22 +411,25 @@ class Driver:
                 if not ranks.distributed:
                     raise
                 shutdown()  # first: ranks blocked on this one fail now and record it, which `_who_failed` reads
+                self._user = False
                 self._failed = RankFailed(self._who_failed(started, ranks, _in_op(op, params)) or str(e))
+                self._failed.user = self._user
                 raise self._failed from e
 
     def _who_failed(self, since: float, ranks: Ranks, in_op: str) -> str | None:
         """The failure another rank recorded during this op (it tore down the groups: our error is only 'peer
         closed'); else the ranks that recorded nothing, i.e. were lost with their node. Waits a few seconds for
-        every other rank's record (each surviving rank writes one as soon as its collectives fail)."""
-        d = _errors_dir(self.worker.cfg)
+        every other rank's record (each surviving rank writes one as soon as its collectives fail). A user's error
+        among them (`self._user`) gets no resume advice: a resume would fail the same way."""
         stopped = f" (the job stopped; `longstraw resume {self.worker.cfg.run_dir}` continues it)"
         deadline = time.monotonic() + RECORD_WAIT_S
         while True:
-            found = sorted(d.glob("error-rank*.json")) if d.is_dir() else []
-            records = {r["rank"]: r for f in found if (r := json.loads(f.read_text()))["time"] >= since - CLOCK_SKEW_S}
-            causes = [r for r in records.values() if not _peer_gone(r["message"])]  # the others saw a peer leave
+            records = _records(self.worker.cfg, since - CLOCK_SKEW_S)
+            # the others saw a peer leave; "lost" is this rank's own earlier conclusion
+            causes = [r for r in records.values() if r["kind"] not in ("peer", "lost")]
             if causes:
-                return "; ".join(r["message"] for r in causes) + stopped
+                self._user = any(r["kind"] == "user" for r in causes)
+                return "; ".join(r["message"] for r in causes) + ("" if self._user else stopped)
             if len(records.keys() - {0}) >= ranks.world - 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -379,8 +440,11 @@ class Driver:
         if not by_place:
             return None
         lost = "; ".join(f"{', '.join(rs)} of {ranks.world} ({where})" for where, rs in by_place.items())
-        return (f"lost rank(s) {lost} in {in_op}: no answer and no error recorded; its processes were killed, or "
+        line = (f"lost rank(s) {lost} in {in_op}: no answer and no error recorded; its processes were killed, or "
                 f"its machine is down or unreachable" + stopped)
+        with contextlib.suppress(OSError):  # for the launchers of every node, which name it last
+            _write_record(self.worker.cfg, ranks.rank, in_op, line, RankFailed(line), kind="lost")
+        return line
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loop (after the run, or after it failed)."""
@@ -397,11 +461,12 @@ class Driver:
 def serve(worker) -> None:
     """The loop of ranks 1..N-1: execute rank 0's commands until it says stop."""
     ranks = worker.ranks
+    since = time.time()
     while True:
         try:
             cmd = ranks.broadcast(None)
         except RuntimeError as e:
-            raise _leader_lost(worker, e) from e
+            raise _leader_lost(worker, e, since) from e
         if cmd["op"] == "alive":
             continue
         if cmd["op"] == "stop":
@@ -412,10 +477,17 @@ def serve(worker) -> None:
             continue  # every rank raised it; rank 0 handles it and sends the next command
 
 
-def _leader_lost(worker, error: RuntimeError) -> LeaderLost:
+def _leader_lost(worker, error: RuntimeError, since: float) -> RankFailed:
     """Rank 0 did not send the next command: printed, recorded, and the groups torn down (the other ranks stop
-    too); the job cannot go on without the rank that drives it."""
+    too); the job cannot go on without the rank that drives it. When rank 0 recorded its own error before it left
+    (it records before tearing its groups down), that error is the cause: a `RankFailed` of its kind, not
+    `LeaderLost` (whose advice, a resume, may not fit)."""
     ranks, cfg = worker.ranks, worker.cfg
+    own = _records(cfg, since - (0.0 if ranks.beside_leader else CLOCK_SKEW_S)).get(0)
+    if own is not None and own["kind"] != "peer":
+        shutdown()
+        print(f"longstraw: rank {ranks.rank} of {ranks.world} stopped: rank 0 failed", file=sys.stderr, flush=True)
+        return RankFailed(own["message"], user=own["kind"] == "user")
     silent = "Timed out" in str(error)
     how = (f"sent neither a command nor a heartbeat for {cfg.pipeline.collective_timeout_s:g} s" if silent
            else "closed its connection")
