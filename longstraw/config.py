@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -131,13 +132,22 @@ def with_overrides(data: dict, overrides: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's floats need a dot (`1e-6` would be the string '1e-6', e.g. an HF config's rms_norm_eps); as in
+    YAML 1.2 and JSON, an exponent alone makes a float here."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
 def read_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
     """A YAML config as a dict. `base: other.yaml` (relative to this file) reads that one first and applies this
     file's keys over it (a section updates the base's section of that name), so a recipe states only what differs."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {p} not found")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = yaml.load(p.read_text(), Loader=_Loader) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {p} holds a {type(data).__name__}, not a mapping of settings")
     base = data.pop("base", None)

@@ -45,3 +45,15 @@ def test_the_library_cli_imports_neither_the_pipeline_nor_the_tools():
             "print(sorted(m for m in sys.modules if m.startswith(('longstraw.train', 'longstraw.tools'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_yaml_reads_an_exponent_without_a_dot_as_a_float(tmp_path):
+    """`rms_norm_eps: 1e-6` (as JSON and YAML 1.2 read it) is a float, not YAML 1.1's string '1e-6'; integers and
+    quoted strings stay as they are."""
+    from longstraw.config import read_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("eps: 1e-06\nbig: 1E5\nneg: -2e+3\nn: 42\nq: '1e-6'\nword: abc1e5\n")
+    data = read_yaml(path)
+    assert data == {"eps": 1e-6, "big": 1e5, "neg": -2e3, "n": 42, "q": "1e-6", "word": "abc1e5"}
+    assert isinstance(data["n"], int) and isinstance(data["eps"], float)
