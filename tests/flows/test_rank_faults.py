@@ -3,8 +3,9 @@
 - kill -9 of rank 1, then of rank 0, mid-run: the job ends within seconds (torchrun alone would wait its 30 s
   grace for the surviving rank), advises a resume, and no process of the job is left: ranks, torchrun's agent,
   the temporary Prefect server that rank 0's flow started (re-parented to the agent when rank 0 is killed);
-- a user's error on the ranks (the checkpoint they load is corrupted): exit 2, the last line names it, no resume.
-One run directory for all three (each test continues it), 1 step: the file takes about a minute on an idle box.
+- a user's error on the ranks (the checkpoint they load is corrupted): exit 2, the last line names it, no resume;
+- a full disk on rank 1, a reward that is all NaN on rank 0: exit 2, the last line names it, no resume.
+One run directory for the first three (each test continues it), 1 step.
 """
 
 from __future__ import annotations
@@ -122,3 +123,23 @@ def test_a_corrupted_checkpoint_on_two_ranks_is_a_users_error(run):
     last = _last_line(done)
     assert "model.safetensors does not match its sha256 (corrupted)" in last, last
     assert "longstraw resume" not in last and "LeaderLost" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["disk full on rank 1", "NaN reward on rank 0"])
+def test_a_full_disk_or_a_nan_reward_on_two_ranks_is_a_users_error(tmp_path, case):
+    """Whichever rank meets it, the user's error is the last line on N ranks as on one (tests/test_cli.py,
+    tests/flows/test_stage_faults.py), with exit 2 and no resume's advice, which would fail the same way."""
+    from tests import progress
+
+    nan = case.startswith("NaN")
+    cfg = config(tmp_path / "run", steps=1, threads=1,
+                 **({"reward": "tests.flows.test_stage_faults:always_nan"} if nan else {}))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = _env() if nan else _env(LONGSTRAW_TEST_FAULT="optimizer:0:1:ENOSPC")
+    done = progress.run([sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--nproc", "2",
+                         "--no-progress"], cwd=ROOT, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = _last_line(done)
+    words = ("returned NaN for" if nan else f"no space left on the device holding {tmp_path / 'run'}")
+    assert words in last and "resume" not in last, done.stderr[-3000:]

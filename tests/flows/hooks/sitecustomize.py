@@ -3,7 +3,8 @@ rank) whose PYTHONPATH starts with this directory. Nothing in the library knows 
 
 LONGSTRAW_TEST_COUNTS=<dir>: each rank appends one line per worker start ("start") and per model it loads or
 builds ("load") to <dir>/rank<RANK>.txt.
-LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>: that rank raises in that op of that step.
+LONGSTRAW_TEST_FAULT=<op>:<step>:<rank>[:<ERRNO>]: that rank raises in that op of that step (a RuntimeError, or
+with an errno name such as ENOSPC the OSError a full disk raises, naming a file under the run dir).
 LONGSTRAW_TEST_STALL=<op>:<step>:<rank>:<file>: in that op of that step, that rank writes its PID and its
 launcher's process group (torchrun's, which runs each rank in a session of its own) to <file> and sleeps.
 LONGSTRAW_TEST_PAUSE=<op>:<step>:<file>:<seconds>: rank 0, once that op of that step has run on every rank, writes
@@ -50,9 +51,13 @@ def _patch(module) -> None:
             module.Worker.OPS["start"] = counted_start
     fault = os.environ.get("LONGSTRAW_TEST_FAULT")
     if fault and module.__name__ == "longstraw.train.worker":
-        op, step, rank = fault.split(":")
+        op, step, rank, *code = fault.split(":")
 
         def fail(self, *a, **kw):
+            if code:
+                import errno
+                number = getattr(errno, code[0])
+                raise OSError(number, os.strerror(number), os.path.join(self.cfg.run_dir, "checkpoints", "injected"))
             raise RuntimeError(f"injected {op} fault on rank {rank}")
 
         _instead(module, op, int(step), rank, fail)
