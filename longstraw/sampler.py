@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any, Protocol, runtime_checkable
 
 from .models.protocol import PrefixLM
+from .named import load_named
 from .parallel import ONE_RANK, SequenceGroup
 from .rollout import DecodeOptions, Draw, Sample, SamplingSettings, rollout
 from .state import PrefixState
@@ -72,12 +73,26 @@ def accepted_backends() -> str:
 
 
 def check_backend(name: str) -> str:
-    """`name` if a sampler is registered under it, else a one-line error naming the accepted values."""
-    if name not in SAMPLERS:
-        raise ValueError(f"rollout.backend {name!r} is not a known sampler; accepted: {accepted_backends()}")
+    """`name` if a sampler is registered under it, or if it names a factory as "module:function" that imports now
+    (every rank of a torchrun job imports it by that name: no registration in one process needed); else a one-line
+    error naming the accepted values."""
+    _factory(name)
     return name
 
 
+def _factory(name: str) -> SamplerFactory:
+    if ":" in name:
+        return load_named(name, "rollout.backend", "my_samplers:make_sampler", "factory(options: dict) -> Sampler")
+    if name not in SAMPLERS:
+        raise ValueError(f"rollout.backend {name!r} is not a known sampler; accepted: {accepted_backends()}, or a "
+                         "factory of your own as 'module:function'")
+    return SAMPLERS[name]
+
+
 def build_sampler(name: str, options: Mapping[str, Any] | None = None) -> Sampler:
-    """The sampler registered as `name` (`rollout.backend`), built with `options` (`rollout.options`)."""
-    return SAMPLERS[check_backend(name)](dict(options or {}))
+    """The sampler `name` (`rollout.backend`) gives, built with `options` (`rollout.options`)."""
+    sampler = _factory(name)(dict(options or {}))
+    if not isinstance(sampler, Sampler):
+        raise TypeError(f"rollout.backend {name!r} made a {type(sampler).__name__}, which has no sample() method; "
+                        "a sampler factory returns an object with sample(model, state, settings, draw, parallel)")
+    return sampler

@@ -174,7 +174,8 @@ def without_placement(config: dict) -> dict:
 
 class RolloutConfig(_Strict):
     backend: str = Field("native", description="the sampler that draws the answers (longstraw/sampler.py, "
-                         "`SAMPLERS`, `register_sampler`): native, longstraw's own decode on the shared prefix state")
+                         "`SAMPLERS`, `register_sampler`): native, longstraw's own decode on the shared prefix state; or a "
+                         "factory of your own as module:function, called with `options`")
     options: dict[str, Any] = Field(default_factory=dict, description="the sampler's own settings, passed to its "
                                     "factory; native: stop_check_every, compile, static_shapes (`DecodeOptions`)")
 

@@ -128,4 +128,33 @@ def test_the_native_sampler_takes_the_decode_options(tmp_path):
 def test_an_unknown_backend_is_refused_naming_the_accepted_ones(tmp_path):
     with pytest.raises(ValidationError) as e:
         make_cfg(tmp_path, rollout={"backend": "vllm"})
-    assert e.value.errors()[0]["msg"].endswith("rollout.backend 'vllm' is not a known sampler; accepted: native")
+    assert e.value.errors()[0]["msg"].endswith("rollout.backend 'vllm' is not a known sampler; accepted: native, "
+                                               "or a factory of your own as 'module:function'")
+
+
+def make_options_sampler(options) -> OptionsSampler:
+    """A factory a config names as `module:function` (what torchrun's ranks import by name)."""
+    return OptionsSampler(options)
+
+
+def not_a_sampler(options) -> object:
+    return object()
+
+
+def test_a_factory_named_module_function_is_built_with_the_options_and_called(tmp_path):
+    built.clear()
+    cfg = make_cfg(tmp_path, rollout={"backend": f"{__name__}:make_options_sampler", "options": {"url": "u"}})
+    w, *_ = step_group(cfg)
+    (made,) = built
+    assert w.sampler is made and made.options == {"url": "u"} and len(made.calls) == 1
+
+
+def test_a_named_factory_that_is_missing_or_makes_no_sampler_is_refused(tmp_path):
+    with pytest.raises(ValidationError, match="no module named 'no_such_samplers'; check the name and that the "
+                                              "module is importable"):
+        make_cfg(tmp_path, rollout={"backend": "no_such_samplers:make"})
+    with pytest.raises(ValidationError, match="has no attribute 'nope'"):
+        make_cfg(tmp_path, rollout={"backend": f"{__name__}:nope"})
+    cfg = make_cfg(tmp_path, rollout={"backend": f"{__name__}:not_a_sampler"})
+    with pytest.raises(TypeError, match="made a object, which has no sample\\(\\) method"):
+        Worker(cfg)
