@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +32,28 @@ def _root(run_dir: str) -> str:
     return str(Path(run_dir)).rstrip("/") + "/"
 
 
+def _strings(x: Any, fn: Callable[[str], str]) -> Any:
+    """`x` (JSON) with `fn` applied to every string in it."""
+    if isinstance(x, str):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _strings(v, fn) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strings(v, fn) for v in x]
+    return x
+
+
 def portable(x: Any, run_dir: str) -> Any:
     """`x` (JSON) with every path under `run_dir` written as `{run_dir}/...`: a stage's stored result and its cache
     key stay valid when the run directory is moved or copied (`longstraw resume <copy>`)."""
     root = _root(run_dir)
-    if isinstance(x, str):
-        return RUN_DIR + "/" + x[len(root):] if x.startswith(root) and root != "./" else x
-    if isinstance(x, dict):
-        return {k: portable(v, run_dir) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [portable(v, run_dir) for v in x]
-    return x
+    return _strings(x, lambda s: RUN_DIR + "/" + s[len(root):] if s.startswith(root) and root != "./" else s)
 
 
 def rooted(x: Any, run_dir: str) -> Any:
     """`portable`'s inverse: `{run_dir}/...` as a path under this run's directory, wherever it is now."""
-    if isinstance(x, str):
-        return _root(run_dir) + x[len(RUN_DIR) + 1:] if x.startswith(RUN_DIR + "/") else x
-    if isinstance(x, dict):
-        return {k: rooted(v, run_dir) for k, v in x.items()}
-    if isinstance(x, list):
-        return [rooted(v, run_dir) for v in x]
-    return x
+    root = _root(run_dir)
+    return _strings(x, lambda s: root + s[len(RUN_DIR) + 1:] if s.startswith(RUN_DIR + "/") else s)
 
 
 class Run(BaseModel):
