@@ -27,7 +27,6 @@ FAST_RETRIES = {"branches_per_task": 1, "retries": 2, "retry_delay_seconds": 0}
 
 
 def _config_file(tmp_path, run_dir, **kw) -> str:
-    # YAML written by PyYAML: json.dumps' 1e-06 would read back as a string (YAML 1.1 wants a dot in a float)
     path = tmp_path / f"{os.path.basename(run_dir)}.yaml"
     path.write_text(yaml.safe_dump(config(run_dir, **kw)))
     return str(path)
