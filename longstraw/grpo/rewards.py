@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..problems import PROBLEMS
 from ..named import load_named
@@ -55,15 +55,30 @@ def _as_reward(value: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -> tuple[list[float], int]:
+def _is_nan(value: Any) -> bool:
+    if isinstance(value, (str, bytes)):
+        return False
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+class Scored(NamedTuple):
+    rewards: list[float]
+    failed: int  # raised, or returned no finite number: scored 0.0
+    nan: int  # of those, returned NaN: not logged one by one, the caller weighs the share and logs once
+
+
+def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -> Scored:
     """Reward per sample, and how many failed. A reward that returns None does not apply to that sample (as in
     TRL): it scores NaN, which the advantages leave out. A reward that raises or returns no finite number scores
-    0.0 and is logged: one bad sample must not end a training run."""
+    0.0 and is logged (NaN only counted): one bad sample must not end a training run."""
     if len(metas) != len(texts):
         raise ValueError(f"compute_rewards got {len(metas)} metas but {len(texts)} texts; pass one meta per text")
     name = getattr(fn, "__name__", repr(fn))
     rewards: list[float] = []
-    failed = 0
+    failed = nan = 0
     for i, (meta, text) in enumerate(zip(metas, texts)):
         try:
             value = fn(meta, text)
@@ -77,12 +92,15 @@ def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -
             continue
         v = _as_reward(value)
         if v is None:
-            log.warning("reward %s returned %r on sample %d, not a finite number; scored 0.0", name, value, i)
+            if _is_nan(value):
+                nan += 1
+            else:
+                log.warning("reward %s returned %r on sample %d, not a finite number; scored 0.0", name, value, i)
             rewards.append(0.0)
             failed += 1
         else:
             rewards.append(v)
-    return rewards, failed
+    return Scored(rewards, failed, nan)
 
 
 # ---- built-ins ----------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -135,10 +134,10 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
             per_function[name] = [0.0 if math.isinf(r) else r for r in given]
             failed += bad
             continue
-        fn, nans = _nan_counted(get_reward(name))
-        per_function[name], bad = compute_rewards(fn, [prompt_meta] * len(texts), texts)
-        failed += bad + nans[0]
-        _check_nans(cfg, name, nans[0], len(texts), step, group)
+        got = compute_rewards(get_reward(name), [prompt_meta] * len(texts), texts)
+        per_function[name] = got.rewards
+        failed += got.failed
+        _check_nans(cfg, name, got.nan, len(texts), step, group)
     table = _table([per_function], cfg.rewards)
     weighted = weighted_rewards(table, _weights(cfg))
     record = {"rewards": _json_floats(weighted),
@@ -161,26 +160,6 @@ def reward_stage(cfg: TrainConfig, rollout: dict, step: int, group: int) -> dict
         if present := [v for v in values if not math.isnan(v)]:
             out[reward_metric(name)] = sum(present) / len(present)
     return out | {"seconds": time.perf_counter() - t0}
-
-
-def _nan_counted(fn: Callable[[dict, str], object]) -> tuple[Callable[[dict, str], object], list[int]]:
-    """`fn` returning 0.0 where it returned NaN, and a counter of those NaNs: `_check_nans` sums them up once per
-    group, where `compute_rewards` would log one warning per answer."""
-    nans = [0]
-
-    def counted(meta: dict, text: str) -> object:
-        value = fn(meta, text)
-        try:
-            nan = not isinstance(value, (str, bytes)) and value is not None and math.isnan(float(value))
-        except (TypeError, ValueError, RuntimeError):  # not a number: compute_rewards reports it
-            nan = False
-        if nan:
-            nans[0] += 1
-            return 0.0  # as compute_rewards scores a non-finite reward; the caller counts it as a failure
-        return value
-
-    counted.__name__ = getattr(fn, "__name__", repr(fn))
-    return counted, nans
 
 
 def _check_nans(cfg: TrainConfig, name: str, nans: int, n: int, step: int, group: int) -> None:
