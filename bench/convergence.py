@@ -235,7 +235,7 @@ def evaluate(model, tok: Tokenizer, examples: list[Example], spec: TaskSpec, eng
         sample = ls.rollout(model, state, greedy, ls.Draw(n=1))[0]
         text = tok.decode(sample.tokens.tolist())
         acc += spec.verify(ex.meta, text)
-        rew += compute_rewards(spec.reward, [ex.meta], [text])[0][0]
+        rew += compute_rewards(spec.reward, [ex.meta], [text]).rewards[0]
     n = max(len(examples), 1)
     return {"accuracy": acc / n, "reward": rew / n}
 
@@ -285,7 +285,7 @@ def _train_step(model, tok: Tokenizer, pool: list[Example], prompts: list[torch.
                                                                temperature=run.temperature, stop_ids=(tok.eos_id,)),
                              ls.Draw(n=run.responses, seed=example_seed(run.seed, step, g)))
         texts = [tok.decode(s.tokens.tolist()) for s in samples]
-        rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(texts), texts)
+        rewards = compute_rewards(spec.reward, [ex.meta] * len(texts), texts).rewards
         adv = ls.group_advantages(rewards)
         responses = [s.tokens for s in samples]
         branches = ls.Branches.group(responses, adv, run.grpo, vocab_size=model.config.vocab_size)
@@ -485,8 +485,8 @@ def sweep(model: str, task: str, warm: Path | None, plan: Plan, tok: Tokenizer, 
             if warm is None:
                 rewards = torch.randn(len(samples), generator=torch.Generator().manual_seed(k)).tolist()
             else:
-                rewards, _ = compute_rewards(spec.reward, [ex.meta] * len(samples),
-                                             [tok.decode(s.tokens.tolist()) for s in samples])
+                rewards = compute_rewards(spec.reward, [ex.meta] * len(samples),
+                                          [tok.decode(s.tokens.tolist()) for s in samples]).rewards
             adv = ls.group_advantages(rewards)
             if not bool(adv.abs().gt(0).any()):
                 continue

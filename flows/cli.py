@@ -59,12 +59,11 @@ def _train_here_or_launch(cfg: TrainConfig, progress: bool) -> int:
     check_before_start(cfg)
     _where(cfg)
     if cfg.pipeline.nproc > 1:
-        from .launch import launch_failure, launch_ranks
+        from .launch import launch_ranks
 
-        code = launch_ranks(cfg, progress)
-        if not code:
+        if not (failure := launch_ranks(cfg, progress)):
             return 0
-        failure = launch_failure(cfg, code)  # the cause a rank recorded: 2 for a user's error, else 1
+        # the cause a rank recorded: exit 2 for a user's error, else 1
         print(f"longstraw: {failure.line}", file=sys.stderr)
         return failure.code
     from .train import grpo_train

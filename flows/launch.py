@@ -11,8 +11,6 @@ from longstraw.train import spmd
 from longstraw.train.config import TrainConfig
 from longstraw.train.lock import RunLock
 
-_LAUNCHED: dict[str, float] = {}  # run dir -> when `launch_ranks` last started its job (its records are newer)
-
 
 @dataclass(frozen=True)
 class LaunchFailure:
@@ -22,24 +20,26 @@ class LaunchFailure:
     code: int
 
 
-def launch_ranks(cfg: TrainConfig, progress: bool) -> int:
-    """Start this node's ranks of the run under torchrun and wait for them; returns the job's exit status (0: it
-    finished; negative: torchrun killed by that signal)."""
+def launch_ranks(cfg: TrainConfig, progress: bool) -> LaunchFailure | None:
+    """Start this node's ranks of the run under torchrun and wait for them; None when the job finished, else how
+    it failed."""
     # fail now, not after starting the ranks, when another run holds the directory. On several nodes every node
     # checks before it joins the rendezvous, so before rank 0 (wherever it runs) takes the lock for the run
     with RunLock(cfg.run_dir):
         pass
-    _LAUNCHED[cfg.run_dir] = time.time()
-    return spmd.launch(cfg, progress)
+    started = time.time()  # the job's error records are newer
+    code = spmd.launch(cfg, progress)
+    return launch_failure(cfg, code, started) if code else None
 
 
-def launch_failure(cfg: TrainConfig, code: int) -> LaunchFailure:
-    """What to say last, and the exit status, when the job of `launch_ranks` exited with `code` != 0: the error
-    a rank recorded as the cause (spmd.job_failure), with a resume's advice only where a resume fixes it."""
+def launch_failure(cfg: TrainConfig, code: int, started: float) -> LaunchFailure:
+    """What to say last, and the exit status, when the job started at `started` exited with `code` != 0 (negative:
+    torchrun killed by that signal): the error a rank recorded as the cause (spmd.job_failure), with a resume's
+    advice only where a resume fixes it."""
     p = cfg.pipeline
     where = f" (node {p.node_rank} of {p.nnodes})" if p.nnodes > 1 else ""
     resume = f"`longstraw resume {cfg.run_dir}` continues it"
-    cause = spmd.job_failure(cfg, _LAUNCHED.get(cfg.run_dir, 0.0))
+    cause = spmd.job_failure(cfg, started)
     if cause is None:  # no rank recorded an error of its own: one was killed or lost (torchrun's line names it)
         return LaunchFailure(f"the {p.nproc}-rank run failed{where} (exit {code}; its ranks' errors are above); "
                              f"{resume}", EXIT_FAULT)
@@ -50,7 +50,3 @@ def launch_failure(cfg: TrainConfig, code: int) -> LaunchFailure:
     return LaunchFailure(f"the {p.nproc}-rank run failed{where}: {message}"
                          + ("" if "longstraw resume" in message else f"; {resume}"), EXIT_FAULT)
 
-
-def launch_failed(cfg: TrainConfig, code: int) -> str:
-    """What to say when the job of `launch_ranks` exited with `code` != 0 (`launch_failure`'s line)."""
-    return launch_failure(cfg, code).line

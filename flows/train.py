@@ -32,7 +32,7 @@ from tasks import stages, tracking
 from tasks.run import Run, rooted
 from tasks.stages import configured
 
-from .launch import launch_failed, launch_ranks
+from .launch import launch_ranks
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -260,8 +260,8 @@ def grpo_train(config: dict, progress: bool = True) -> dict:
 
 def _launched(cfg: TrainConfig, progress: bool) -> dict:
     """Start the run's job (whose rank 0 runs this flow again) and return what it left in the run directory."""
-    if code := launch_ranks(cfg, progress):
-        raise RuntimeError(launch_failed(cfg, code))
+    if failure := launch_ranks(cfg, progress):
+        raise RuntimeError(failure.line)
     latest = latest_checkpoint(cfg.paths().checkpoints)
     return {"checkpoint": str(latest), "history": _history(cfg)[1], "run_dir": cfg.run_dir, "mlflow_run_id": None}
 

@@ -117,7 +117,7 @@ class ToolChat:
     With an empty registry (an environment that only talks) no tool support is needed.
     """
 
-    def __init__(self, tokenizer: Tokenizer, registry: ToolRegistry):
+    def __init__(self, tokenizer: Tokenizer, registry: ToolRegistry, stop_tokens: Sequence[str] = ()):
         self.tokenizer, self.registry = tokenizer, registry
         # None without tools: an environment that only talks (a simulated user) renders as the template always did
         self.tools = registry.schemas() or None
@@ -128,9 +128,10 @@ class ToolChat:
             raise ValueError(f"{name} does not render tools (tool {missing[0]!r} is missing from its output with "
                              f"tools=...): use a tokenizer whose chat template supports tools, e.g. Qwen3's")
         self._closing = self._after_turn([], add_generation_prompt=False)
-        eos = getattr(tokenizer, "eos_token", None)
-        # the model's stop token is the template's end-of-turn marker: the observation starts after it
-        self._end_of_turn = eos if eos and self._closing.startswith(eos) else ""
+        # the model's stop token (eos, or one of `stop_tokens`) is the template's end-of-turn marker: the
+        # observation starts after it
+        ends = [t for t in (getattr(tokenizer, "eos_token", None), *stop_tokens) if t and self._closing.startswith(t)]
+        self._end_of_turn = max(ends, key=len, default="")
         if self.tools and _PROBE not in self._after_turn([{"role": "tool", "content": _PROBE}]):
             raise ValueError(f"{name} does not render messages of role 'tool' (a tool result is missing from its "
                              f"output): use a tokenizer whose chat template supports tools, e.g. Qwen3's")

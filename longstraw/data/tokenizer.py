@@ -10,7 +10,7 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 log = logging.getLogger("longstraw")
 
@@ -248,6 +248,19 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer {spec!r} is neither 'byte'/'builtin' nor an existing directory; give "
                                 f"the directory of a HF tokenizer (with tokenizer.json)")
     return HFTokenizer(path)
+
+
+def stop_ids(tok: Tokenizer, stop_tokens: Sequence[str] = ()) -> tuple[int, ...]:
+    """The ids that end an answer (an agent's turn): the tokenizer's end of sequence, then each of `stop_tokens`,
+    which must be one token each (e.g. a base model's `<|im_end|>`, where its eos is `<|endoftext|>`)."""
+    ids = [tok.eos_id]
+    for text in stop_tokens:
+        got = tok.encode(text)
+        if len(got) != 1:
+            raise ValueError(f"stop_tokens: {text!r} is {len(got)} tokens of {tok!r}, not one; list single tokens "
+                             "of its vocabulary (e.g. '<|im_end|>', a special token of its chat template)")
+        ids.append(got[0])
+    return tuple(dict.fromkeys(ids))
 
 
 def check_vocab(ids: Iterable[int], vocab_size: int, what: str) -> None:

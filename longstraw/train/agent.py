@@ -58,10 +58,10 @@ def _covered(spans: list[tuple[float, float]]) -> float:
 class AgentRollout:
     """The run's environment factory, tools and chat format, resolved once per worker; `sample` runs one group."""
 
-    def __init__(self, agent: AgentConfig, tok: Tokenizer):
+    def __init__(self, agent: AgentConfig, tok: Tokenizer, stop_tokens: Sequence[str] = ()):
         self.agent = agent
         self.factory, self.registry = resolve_environment(agent)
-        self.chat = ToolChat(tok, self.registry)
+        self.chat = ToolChat(tok, self.registry, stop_tokens)
         self.runner = ToolRunner(self.registry, timeout=agent.tool_timeout)
 
     def environments(self, example: dict, n: int) -> list[ToolTurns]:

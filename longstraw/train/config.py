@@ -247,6 +247,9 @@ class TrainConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    stop_tokens: list[str] = Field(default_factory=list, description="tokens (as text, one token each) that end an "
+                                   "answer or an agent's turn besides the tokenizer's end of sequence, e.g. "
+                                   "['<|im_end|>'] for a base model whose eos is <|endoftext|>")
     rollout: RolloutConfig = Field(RolloutConfig(), description="which sampler draws the answers")
     agent: AgentConfig | None = Field(None, description="multi-turn branches with tools (docs/agents.md); absent: "
                                       "one answer per branch")

@@ -25,7 +25,7 @@ import torch
 from ..agents import ToolChat
 from ..agents.builtin import resolve_environment
 from ..errors import UserError
-from ..data import Example, check_vocab, load_tokenizer
+from ..data import Example, check_vocab, load_tokenizer, stop_ids
 from ..grpo.advantages import advantages, needs_batch, weighted_rewards
 from ..grpo.rewards import compute_rewards, get_reward
 from ..lora import check_lora_targets
@@ -71,10 +71,11 @@ def preflight(cfg: TrainConfig) -> None:
         if name != ENV_REWARD:  # the environment's, stored with the rollout
             get_reward(name)
     if cfg.agent is not None:  # the environment and its tools resolve, the chat format renders them
-        ToolChat(tok, resolve_environment(cfg.agent)[1])
+        ToolChat(tok, resolve_environment(cfg.agent)[1], cfg.stop_tokens)
     hf = cfg.model.hf_config()
     mc = config_from_hf(hf)
     check_vocab(ids, mc.vocab_size, f"tokenizer {cfg.tokenizer!r}")
+    check_vocab(stop_ids(tok, cfg.stop_tokens), mc.vocab_size, "stop_tokens")
     if cfg.lora is not None or cfg.moe_routing_replay:  # checked on a weightless copy
         with torch.device("meta"):
             skeleton = build(hf)

@@ -391,7 +391,6 @@ class Driver:
         # one op at a time (every rank must see the same sequence), and no heartbeat in between
         self._lock = worker.ranks.control_lock
         self._failed: RankFailed | None = None
-        self._user = False  # what `_who_failed` found was a user's error
 
     def call(self, op: str, /, leader: dict | None = None, **params) -> dict:
         """Run `op(**params)` on every rank; `leader`: further arguments of rank 0's op alone (never sent, e.g. what
@@ -411,16 +410,14 @@ class Driver:
                 if not ranks.distributed:
                     raise
                 shutdown()  # first: ranks blocked on this one fail now and record it, which `_who_failed` reads
-                self._user = False
-                self._failed = RankFailed(self._who_failed(started, ranks, _in_op(op, params)) or str(e))
-                self._failed.user = self._user
+                self._failed = self._who_failed(started, ranks, _in_op(op, params)) or RankFailed(str(e))
                 raise self._failed from e
 
-    def _who_failed(self, since: float, ranks: Ranks, in_op: str) -> str | None:
+    def _who_failed(self, since: float, ranks: Ranks, in_op: str) -> RankFailed | None:
         """The failure another rank recorded during this op (it tore down the groups: our error is only 'peer
         closed'); else the ranks that recorded nothing, i.e. were lost with their node. Waits a few seconds for
         every other rank's record (each surviving rank writes one as soon as its collectives fail). A user's error
-        among them (`self._user`) gets no resume advice: a resume would fail the same way."""
+        among them gets no resume advice (a resume would fail the same way) and is marked `user`."""
         stopped = f" (the job stopped; `longstraw resume {self.worker.cfg.run_dir}` continues it)"
         deadline = time.monotonic() + RECORD_WAIT_S
         while True:
@@ -428,8 +425,8 @@ class Driver:
             # the others saw a peer leave; "lost" is this rank's own earlier conclusion
             causes = [r for r in records.values() if r["kind"] not in ("peer", "lost")]
             if causes:
-                self._user = any(r["kind"] == "user" for r in causes)
-                return "; ".join(r["message"] for r in causes) + ("" if self._user else stopped)
+                user = any(r["kind"] == "user" for r in causes)
+                return RankFailed("; ".join(r["message"] for r in causes) + ("" if user else stopped), user=user)
             if len(records.keys() - {0}) >= ranks.world - 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -444,7 +441,7 @@ class Driver:
                 f"its machine is down or unreachable" + stopped)
         with contextlib.suppress(OSError):  # for the launchers of every node, which name it last
             _write_record(self.worker.cfg, ranks.rank, in_op, line, RankFailed(line), kind="lost")
-        return line
+        return RankFailed(line)
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loop (after the run, or after it failed)."""

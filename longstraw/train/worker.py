@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..config import torch_dtype
-from ..data import check_vocab, load_tokenizer
+from ..data import Tokenizer, check_vocab, load_tokenizer, stop_ids
 from ..engine import (Branches, capture, group_entropies, naive_backward, naive_entropies, naive_plan, new_dstate,
                       plan_group, prompt_backward, reduce_gradients, replay, score, with_entropy_weights)
 from ..engine.routing import prompt_moe_layers
@@ -294,7 +294,7 @@ class Worker:
         mine = self.parallel.branches(cfg.responses)
         draw = Draw(n=len(mine), seed=example_seed(cfg.seed, step, group), first_branch=mine.start)
         agent = None if cfg.agent is None else self._agent_rollout(tok)  # (imports the user's module first)
-        settings = self._sampling(tok.eos_id)
+        settings = self._sampling(tok)
         records, env_seconds = None, 0.0
         with self._meter() as m:
             if agent is None:
@@ -335,14 +335,15 @@ class Worker:
     def _agent_rollout(self, tok) -> AgentRollout:
         """The run's environments and tools, resolved once (a bad name is an error on every rank)."""
         if self._agent is None:
-            self._agent = self._agree(lambda: AgentRollout(self.cfg.agent, tok))
+            self._agent = self._agree(lambda: AgentRollout(self.cfg.agent, tok, self.cfg.stop_tokens))
         return self._agent
 
-    def _sampling(self, eos_id: int) -> SamplingSettings:
-        """The run's sampling settings (an answer ends at the tokenizer's end of sequence)."""
+    def _sampling(self, tok: Tokenizer) -> SamplingSettings:
+        """The run's sampling settings (an answer ends at the tokenizer's end of sequence or a `stop_tokens`)."""
         cfg = self.cfg
         return SamplingSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                top_k=cfg.top_k, stop_ids=(eos_id,), record_routing=cfg.moe_routing_replay)
+                                top_k=cfg.top_k, stop_ids=stop_ids(tok, cfg.stop_tokens),
+                                record_routing=cfg.moe_routing_replay)
 
     def _responses(self, rollout: dict) -> Answers:
         """The answers of `rollout` (an `Artefact`'s JSON): resident if it was the last one sampled or read, else

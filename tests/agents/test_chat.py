@@ -8,7 +8,7 @@ import pytest
 
 from longstraw.agents.chat import ToolChat, parse_tool_calls
 from longstraw.agents.tools import ToolRegistry, ToolResult, ToolRunner
-from longstraw.data.tokenizer import ByteTokenizer, HFTokenizer, plain_chat
+from longstraw.data.tokenizer import ByteTokenizer, HFTokenizer, plain_chat, stop_ids
 from tests.data.test_tokenizer import TEMPLATE as NO_TOOLS_TEMPLATE, build_hf_dir
 
 pytest.importorskip("jinja2")
@@ -142,6 +142,27 @@ def test_hf_observation_matches_the_whole_conversation(hf_tool_tok):
     with_message = chat.observation_text(results[:1], "Two turns left.")
     assert with_message.endswith("</tool_response><|im_end|>\n<|im_start|>user\nTwo turns left.<|im_end|>\n"
                                  "<|im_start|>assistant\n")
+
+
+def test_a_base_tokenizer_ends_turns_at_a_stop_token(tmp_path):
+    """A base model's tokenizer: eos is <|endoftext|> but its chat template ends a turn with <|im_end|>. With
+    stop_tokens ['<|im_end|>'] the turn ends there, and prompt + turn + observation is the whole conversation the
+    template renders; the ids that end an answer are eos and <|im_end|>."""
+    path, raw = build_hf_dir(tmp_path / "base", template=TOOL_TEMPLATE, eos="<|endoftext|>")
+    tok = HFTokenizer(path)
+    assert stop_ids(tok, ["<|im_end|>"]) == (raw.token_to_id("<|endoftext|>"), raw.token_to_id("<|im_end|>"))
+    assert stop_ids(tok, ["<|endoftext|>"]) == (tok.eos_id,)
+    with pytest.raises(ValueError, match="'im_end' is .* tokens of HFTokenizer"):
+        stop_ids(tok, ["im_end"])
+    user = {"role": "user", "content": "What is k1?"}
+    content = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
+    whole = tok.apply_chat_template([user, {"role": "assistant", "content": content},
+                                     {"role": "tool", "content": "123456"}], tools=registry().schemas())
+    chat = ToolChat(tok, registry(), ["<|im_end|>"])
+    observation = chat.observation_text([ToolResult("lookup", "123456")])
+    assert chat.prompt([user]) + content + "<|im_end|>" + observation == whole
+    # without it the model's eos is no end of the template's turn: the observation would write <|im_end|> itself
+    assert ToolChat(tok, registry()).observation_text([ToolResult("lookup", "1")]).startswith("<|im_end|>\n")
 
 
 def test_template_without_tools_is_refused(tmp_path):

@@ -114,6 +114,12 @@ def test_vocab_too_small(tmp_path, capsys, nothing_starts, nproc):
     assert "outside the vocabulary (0..99)" in line and "use the tokenizer that belongs to the model" in line
 
 
+def test_stop_token_of_several_tokens(tmp_path, capsys, nothing_starts):
+    # the byte tokenizer has no <|im_end|> token: its text is 10 bytes, which would never end an answer
+    line = refused(tmp_path, capsys, config(tmp_path / "run", stop_tokens=["<|im_end|>"]), 1)
+    assert "stop_tokens: '<|im_end|>' is 10 tokens of ByteTokenizer(), not one" in line and "single tokens" in line
+
+
 # ---- 3. every dataset line ----------------------------------------------------------------------------------------
 
 @NPROC
