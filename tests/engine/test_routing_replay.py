@@ -318,3 +318,40 @@ def test_entropy_options_and_score_take_the_replayed_routing():
                                         logits_from=prompt.numel() - 1)[0]
         assert torch.allclose(forced[i], want, rtol=0, atol=1e-10)
     assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(forced, free))
+
+
+def test_multi_turn_branches_replay_their_recorded_routing():
+    """An agent's branches on a MoE model: multi-turn rollout (observation tokens fed between the model's turns)
+    records the routing of every token, the observations' too; after the routers' bias moves, the exact gradient
+    of the masked branches with that routing is the unperturbed model's plain naive gradient."""
+    from longstraw.agents import rollout_turns
+    from tests.agents.test_turns import SCRIPTS, STOPS, ScriptedEnv
+
+    model = glm()
+    prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1))
+    engine = ls.EngineConfig(prompt_chunk=CHUNK, prompt_graph_budget=0, branch_batch=2)
+    state = ls.capture(model, prompt, engine, exact=True, record_routing=True)
+    settings = ls.SamplingSettings(max_new_tokens=24, temperature=1.0, stop_ids=STOPS, record_routing=True)
+    samples = rollout_turns(model, state, settings, ls.Draw(n=len(SCRIPTS), seed=1),
+                            [ScriptedEnv(s) for s in SCRIPTS], max_turns=3)
+    assert all(not s.mask.all() for s in samples)  # every branch holds observation tokens
+    responses, masks = [s.tokens for s in samples], [s.mask for s in samples]
+    routing = Routing(state.routing, [s.routing for s in samples])
+    adv = ADV[: len(samples)]
+
+    def grad(mode: str, **kw) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ls.grpo_backward(model, prompt, responses, adv, mode=mode, masks=masks, engine=engine, **kw)
+        return flat_grad(model)
+
+    want = grad("naive")
+    perturb_routers(model, "bias", 0.5)
+    prompt_moved, branch_moved = rerouted(model, prompt, responses, routing)
+    assert prompt_moved > 0 and branch_moved > 0
+    p = prompt.numel() - 1
+    observed_moved = sum(int((~same_experts(routers_choice(model, torch.cat([prompt, r[:-1]]))[j][p:][~m],
+                                            ids[~m])).sum())
+                         for r, m, branch in zip(responses, masks, routing.branches) for j, ids in branch.items())
+    assert observed_moved > 0  # the observation tokens' rows too
+    assert rel_err(grad("exact", routing=routing), want) <= 1e-10
+    assert rel_err(grad("exact"), want) > 1e-3  # the control: re-routed, the gradient moves
