@@ -16,6 +16,9 @@ from pathlib import Path
 
 IDLE_S = 120.0  # no test child sits this long without any CPU time unless it hangs
 POLL_S = 1.0
+# CPU time that is no work: a blocked rank's runtime threads (gloo's, torch's) wake for ~10 ms every few seconds,
+# which would reset a short window for ever
+NOISE_S = 0.05
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -54,7 +57,7 @@ def cpu_seconds(pid: int) -> float:
 
 class IdleWatch:
     """Tells a hung set of processes from a slow one: `idle(pids)` is True once none of their process trees used
-    CPU time for `idle_s` seconds."""
+    more than `NOISE_S` of CPU time for `idle_s` seconds."""
 
     def __init__(self, idle_s: float = IDLE_S):
         self.idle_s = idle_s
@@ -63,7 +66,7 @@ class IdleWatch:
 
     def idle(self, pids: Iterable[int]) -> bool:
         cpu = {p: cpu_seconds(p) for p in pids}
-        if any(c > self._cpu.get(p, -1.0) for p, c in cpu.items()):
+        if any(c - self._cpu.get(p, -1.0) > NOISE_S for p, c in cpu.items()):
             self._cpu, self._progress = cpu, time.monotonic()
         return time.monotonic() - self._progress > self.idle_s
 
