@@ -44,24 +44,14 @@ def get_reward(spec: str) -> RewardFn:
     return load_named(spec, "reward", "my_rewards:score", "fn(prompt_meta: dict, response_text: str) -> float")
 
 
-def _as_reward(value: Any) -> float | None:
-    """The value as a finite float, or None (strings, None, NaN, inf, tensors with more than one element)."""
+def _as_number(value: Any) -> float | None:
+    """The value as a float (NaN and inf included), or None (strings, None, tensors with more than one element)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         return None
     try:
-        v = float(value)
+        return float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
-    return v if math.isfinite(v) else None
-
-
-def _is_nan(value: Any) -> bool:
-    if isinstance(value, (str, bytes)):
-        return False
-    try:
-        return math.isnan(float(value))
-    except (TypeError, ValueError, RuntimeError):
-        return False
 
 
 class Scored(NamedTuple):
@@ -90,9 +80,9 @@ def compute_rewards(fn: RewardFn, metas: Sequence[dict], texts: Sequence[str]) -
         if value is None:
             rewards.append(math.nan)
             continue
-        v = _as_reward(value)
-        if v is None:
-            if _is_nan(value):
+        v = _as_number(value)
+        if v is None or not math.isfinite(v):
+            if v is not None and math.isnan(v):
                 nan += 1
             else:
                 log.warning("reward %s returned %r on sample %d, not a finite number; scored 0.0", name, value, i)
