@@ -104,3 +104,35 @@ def _one_thread():
 def _deterministic():
     torch.manual_seed(1234)
     yield
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--each-value-once", action="store_true",
+                     help="of a parametrized test, run only the cases that cover each parameter value once (what "
+                          "`make test` runs on the oldest torch: every test and every value, not every product)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With --each-value-once, run of each parametrized test a few cases that between them hold every
+    (parameter, value) pair it has, chosen greedily (the case bringing the most new pairs first); the rest are
+    deselected. The full products run on the newest torch."""
+    if not config.getoption("--each-value-once"):
+        return
+    cases: dict[str, list[tuple[pytest.Item, set]]] = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None:
+            pairs = {(name, repr(value)) for name, value in spec.params.items()}
+            cases.setdefault(item.nodeid.split("[")[0], []).append((item, pairs))
+    drop = set()
+    for group in cases.values():
+        missing = set().union(*(pairs for _, pairs in group))
+        chosen = set()
+        while missing:
+            item, pairs = max(group, key=lambda case: len(case[1] & missing))
+            chosen.add(item)
+            missing -= pairs
+        drop |= {item for item, _ in group if item not in chosen}
+    if drop:
+        config.hook.pytest_deselected(items=[item for item in items if item in drop])
+        items[:] = [item for item in items if item not in drop]

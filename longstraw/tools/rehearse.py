@@ -51,7 +51,7 @@ from ..models.config import with_rope_scaling
 from ..models.registry import build
 from ..lora import add_lora
 from ..models.common.moe import Experts
-from ..ops import gated_delta, sparse_attention, split_sparse_attention
+from ..ops import attention, gated_delta, sparse_attention, split_sparse_attention
 from ..parallel import experts as experts_mod
 from ..parallel import SequenceParallel, local_shard, shard_model
 from ..state import boundary_states
@@ -204,19 +204,22 @@ def _two_blocks_topk(score_blocks, k: int):
 
 @contextmanager
 def _stand_ins(kernels: bool) -> Iterator[None]:
-    """What the rehearsal runs in place of value-sized or merely long code: the GPU delta-rule kernel's shapes
-    (`kernels`), the experts' routing, and DSA's selection over two key blocks."""
+    """What the rehearsal runs in place of value-sized or merely long code: with `kernels`, the GPU delta-rule
+    kernel's shapes and the GPU's key rows per block of a prefix gradient; the experts' routing, and DSA's
+    selection over two key blocks."""
     saved = (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted,
-             split_sparse_attention.topk_candidates)
-    if kernels:
+             split_sparse_attention.topk_candidates, attention.PREFIX_GRAD_ROWS_CPU)
+    if kernels:  # the fake tensors sit on the CPU, standing for the GPU's
         gated_delta.chunk_gated_delta_rule = _kernel_delta_rule
+        # the prefix gradient in the GPU's blocks of key rows: 4x the CPU's, a quarter of the ops to rehearse
+        attention.PREFIX_GRAD_ROWS_CPU = attention.PREFIX_GRAD_ROWS
     experts_mod.route, Experts._sorted = _balanced_route, _one_expert
     split_sparse_attention.topk_candidates = _two_blocks_topk
     try:
         yield
     finally:
         (gated_delta.chunk_gated_delta_rule, experts_mod.route, Experts._sorted,
-         split_sparse_attention.topk_candidates) = saved
+         split_sparse_attention.topk_candidates, attention.PREFIX_GRAD_ROWS_CPU) = saved
 
 
 def rehearse(hf_config: dict, tokens: int, gpus: int, plan: dict, *, ranks: list[int] | None = None,

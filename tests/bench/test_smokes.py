@@ -125,6 +125,13 @@ def _convergence(out: str, d: Path) -> None:
     assert len(list((d / "out").glob("*.png"))) == 5
 
 
+def _rehearse_goal(out: str, d: Path) -> None:
+    assert "planner/rehearsal" in out
+    (row,) = json.loads((d / "r.json").read_text())["rows"]
+    assert row["checkpoint_layers"] and row["chunk"] == 32 and set(row["phases"]) >= {"replay", "prompt backward"}
+    assert row["rehearsed_bytes"] > row["phases"]["model"] > 0 and finite(row["ratio"]) and row["ratio"] > 0
+
+
 def _gpu_env(out: str, d: Path) -> None:
     report = json.loads((d / "env.json").read_text())
     assert report["torch"] and report["cuda_available"] is False and report["sdpa"]  # the CPU, reported
@@ -146,6 +153,7 @@ SMOKES: dict[str, Smoke] = {
     # the CLI end to end at the smallest plan (--quick takes minutes: 3 warm starts, 5 cells, 2 seeds)
     "convergence.py": Smoke(lambda d: ["--smoke", "--no-progress", "--out", str(d / "out"), "--cache",
                                        str(d / "cache")], _convergence),
+    "rehearse_goal.py": Smoke(lambda d: ["--smoke", "--out", str(d / "r.json")], _rehearse_goal),
     "gpu/env.py": Smoke(lambda d: ["--dry-run", "--out", str(d / "env.json")], _gpu_env),
 }
 # scripts whose smoke runs in a test file of its own (slower, with more checks): file -> what it must run

@@ -39,7 +39,9 @@ def test_kill_9_during_the_checkpoint_write_then_resume(tmp_path):
     path.write_text(yaml.safe_dump(config(run_dir, steps=2)))
     marker = tmp_path / "writing"
     proc = subprocess.Popen([sys.executable, "-c", STALLING_TRAIN, str(path), str(marker)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            # its own embedded server, killed with it (not the session's: tests/flows/conftest.py)
+                            env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():

@@ -60,8 +60,10 @@ def _kill_rank_mid_run(args: list[str], rank: int, tmp: Path) -> tuple[subproces
     the seconds from the kill to the command's end. Asserts that no process of the job is left."""
     marker = tmp / f"stall-{rank}"
     marker.unlink(missing_ok=True)
+    env = _env(LONGSTRAW_TEST_STALL=f"replay:0:{rank}:{marker}")
+    env.pop("PREFECT_API_URL", None)  # not the session's server (tests/flows/conftest.py): the job starts its own
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args, "--nproc", "2", "--no-progress"], cwd=ROOT,
-                            env=_env(LONGSTRAW_TEST_STALL=f"replay:0:{rank}:{marker}"), stdout=subprocess.PIPE,
+                            env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         watch = IdleWatch()

@@ -168,18 +168,15 @@ def qwen_profile():
 
 def test_goal_qwen3_5_27b_fits_on_8_gpus(qwen_profile):
     """The seeds' set-up on the measured GPU profile: exact at 2.1M tokens on 8 x 96 GB with CPU optimizer offload
-    fits with at least 8 GB to spare (and the rehearsal agrees with the planner), and detached at 4.46M positions
-    fits; without RoPE scaling capture would refuse the prompt."""
+    fits with at least 8 GB to spare, and detached at 4.46M positions fits; without RoPE scaling capture would
+    refuse the prompt. (The step's code at that size under fake tensors peaks within 10% of the planner's figure:
+    bench/rehearse_goal.py, minutes, so not here; tests/tools/test_rehearse.py holds the rehearsal to real runs.)"""
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
     cluster, engine = Cluster(8, 96, zero=3, offload="cpu"), EngineChoice(profile=qwen_profile)
     rope = {"rope_type": "yarn", "factor": 16}
     r = plan(qwen, Workload(2_100_000, rope_scaling=rope), cluster, engine)
     assert r["positions_accepted"] and r["exact_fits"] and 96e9 - r["exact_bytes"] >= 8e9
-    # the step's code at that size under fake tensors (rank 0 of 8) peaks within 10% of the planner's figure
-    from longstraw.tools.rehearse import rehearse
-
-    rehearsal = rehearse(qwen, 2_100_000, 8, r, ranks=[0], rope_scaling=rope)
-    assert rehearsal["ratio"] == pytest.approx(1.0, abs=0.10)
+    assert r["chunk"] == 16384 and r["checkpoint_layers"] and r["prompt_order"] == "chunks"  # what the bench rehearses
     stress = plan(qwen, Workload(4_460_000, rope_scaling={"rope_type": "yarn", "factor": 32}), cluster, engine)
     assert stress["positions_accepted"] and stress["detached_fits"]
     assert not plan(qwen, Workload(2_100_000), cluster, engine)["positions_accepted"]
