@@ -19,14 +19,19 @@ os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a load
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def prefect_server() -> Iterator[str]:
-    """The session's Prefect server on loopback, its API URL in the environment of the commands tests start."""
+    """The session's Prefect server on loopback; its API URL."""
     home = os.environ["PREFECT_HOME"]
     api, proc = start_prefect_server(free_port(), home, logs=home, timeout=180)
-    os.environ["PREFECT_API_URL"] = api
     try:
         yield api
     finally:
-        os.environ.pop("PREFECT_API_URL", None)
         stop_process(proc)
+
+
+@pytest.fixture(autouse=True)
+def _commands_use_the_session_server(prefect_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREFECT_API_URL in the environment of the commands a test here starts (only here: tests elsewhere, the
+    README's commands among them, run as on a fresh machine)."""
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
