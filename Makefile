@@ -29,7 +29,8 @@ install: $(STAMP)
 # ops and engine suites there too, where newer torch APIs meet fallbacks: every test, and of a parametrized one the
 # cases that hold each parameter value once (--each-value-once, tests/conftest.py; the full products run above).
 # PyPI's torch 2.11 is its CUDA build (no CPU wheel there; it runs on the CPU); its triton goes, since with triton
-# importable transformers' Qwen3.5 reference crashes on CPU. torch and the project resolve in one pip call, so nothing lifts torch past the pin.
+# importable transformers' Qwen3.5 reference crashes on CPU. torch and the project resolve in one pip call, so
+# nothing lifts torch past the pin.
 OLDEST_TORCH ?= torch==2.11.0
 OLDEST_VENV := .venv-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python

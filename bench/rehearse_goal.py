@@ -19,31 +19,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from archs import qwen3_5_config  # noqa: E402
 from longstraw.tools.activations import activation_profile  # noqa: E402
 from longstraw.tools.plan import Cluster, EngineChoice, Workload, plan  # noqa: E402
 from longstraw.tools.rehearse import rehearse  # noqa: E402
 
 REF = ROOT / "tests" / "fixtures" / "reference-configs"
 YARN16 = {"rope_type": "yarn", "factor": 16}
-# Qwen3.5's shape at toy widths: 2 x (3 Gated DeltaNet + 1 full attention) layers
-TINY_QWEN3_5 = dict(
-    model_type="qwen3_5_text", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-    linear_value_head_dim=8, linear_conv_kernel_dim=4,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-)
 TOLERANCE = 0.10
 
 
 def setups(smoke: bool) -> dict[str, dict]:
-    """name -> (HF config, workload, cluster, engine choice, rope scaling) of each set-up."""
+    """name -> {cfg: HF config, work, cluster, engine: cfg -> EngineChoice, rope: rope scaling} of each set-up."""
     if smoke:
         return {"tiny Qwen3.5, 256 tokens, 2 ranks": dict(
-            cfg=TINY_QWEN3_5, work=Workload(256, responses=4, response_tokens=16),
+            cfg=qwen3_5_config(512), work=Workload(256, responses=4, response_tokens=16),
             cluster=Cluster(2, 1e-4, zero=3, precision="fp32"),
-            engine=lambda cfg: EngineChoice(chunk=32, checkpoint_layers=True, profile=activation_profile(cfg, gpu=False)),
+            engine=lambda cfg: EngineChoice(chunk=32, checkpoint_layers=True,
+                                            profile=activation_profile(cfg, gpu=False)),
             rope=None)}
     qwen = json.loads((REF / "qwen3_5-27b" / "config.json").read_text())
     return {"Qwen3.5-27B, 2.1M tokens, 8 x 96 GB, ZeRO-3, CPU offload, yarn:16": dict(
